@@ -1,0 +1,59 @@
+# rlhf: `make chain` runs the whole pipeline on the embedded tiny default; `make test` runs the tests.
+# RECIPE=NAME picks recipes/NAME.yaml; ARGS="key=value ..." passes Hydra overrides to every command.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+RECIPE ?= tiny
+ARGS ?=
+RLHF := $(BIN)/rlhf
+
+.PHONY: help install sft reward ppo eval chain chat test test-fast bench clean
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)'"
+
+install: $(VENV)/.installed ## create .venv with the project and its test tools
+
+# Without a GPU, torch comes from the CPU wheel (2.13.0) before anything can pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+sft: install ## supervised fine-tuning  -> runs/<recipe>/sft
+	$(RLHF) sft recipe=$(RECIPE) $(ARGS)
+
+reward: install ## reward model          -> runs/<recipe>/reward
+	$(RLHF) reward recipe=$(RECIPE) $(ARGS)
+
+ppo: install ## PPO (LoRA policy)     -> runs/<recipe>/ppo
+	$(RLHF) ppo recipe=$(RECIPE) $(ARGS)
+
+eval: install ## SFT vs PPO report     -> runs/<recipe>/eval
+	$(RLHF) eval recipe=$(RECIPE) $(ARGS)
+
+chain: install ## sft -> reward -> ppo -> eval, in order
+	$(RLHF) sft recipe=$(RECIPE) $(ARGS)
+	$(RLHF) reward recipe=$(RECIPE) $(ARGS)
+	$(RLHF) ppo recipe=$(RECIPE) $(ARGS)
+	$(RLHF) eval recipe=$(RECIPE) $(ARGS)
+
+chat: install ## chat with the SFT model (ARGS="chat.model_dir=runs/tiny/ppo" for PPO)
+	$(RLHF) chat recipe=$(RECIPE) $(ARGS)
+
+test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs)
+	$(BIN)/python -m pytest -q
+
+test-fast: install ## unit tests only
+	$(BIN)/python -m pytest -q -m "not slow and not dist"
+
+bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
+	$(BIN)/python bench/run.py
+
+clean: ## remove runs/ (checkpoints) but keep .venv
+	rm -rf runs

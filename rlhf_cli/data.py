@@ -1,0 +1,237 @@
+"""Reading preference / SFT data in the accepted formats, validating it, and splitting it.
+
+Every format becomes one canonical `Example`: the prompt as chat messages (optional system + user turns), the
+chosen answer and, for preference data, the rejected answer. Stages turn examples into what their trainer wants.
+
+Accepted rows (json / jsonl / parquet files, or a hub dataset name):
+  seed            {"question": str, "chosen": str, "rejected": str}
+  prompt          {"prompt": str, "chosen": str, "rejected": str}          (trl standard, explicit prompt)
+  conversational  {"prompt": [msgs], "chosen": [msgs], "rejected": [msgs]} (trl conversational, explicit)
+                  {"chosen": [msgs], "rejected": [msgs]}                    (trl conversational, implicit prompt)
+  messages        {"messages": [msgs]}                                      (SFT only: last turn is the answer)
+                  {"prompt": str | [msgs], "completion": str | [msgs]}      (SFT only)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_cli.errors import RlhfError
+
+log = logging.getLogger("rlhf")
+
+FORMATS = ("seed", "prompt", "conversational", "messages")
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+@dataclass
+class Example:
+    prompt: list[dict]          # chat messages before the answer: [system?, user, (assistant, user)...]
+    chosen: str                 # the (preferred) answer
+    rejected: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def read_rows(path: str, split: str = "train") -> list[dict]:
+    """Rows of a json / jsonl / parquet file, or of a hub dataset; errors name the file and line."""
+    if not path:
+        raise RlhfError("data.train_path is not set: give a json/jsonl/parquet file, e.g. data.train_path=pairs.jsonl")
+    p = Path(path).expanduser()
+    if p.is_file():
+        if p.suffix == ".jsonl":
+            return _read_jsonl(p)
+        if p.suffix == ".json":
+            return _read_json(p)
+        if p.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                return pq.read_table(p).to_pylist()
+            except Exception as e:  # noqa: BLE001
+                raise RlhfError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        raise RlhfError(f"{p}: unsupported file type '{p.suffix}'; use .jsonl, .json or .parquet")
+    if p.suffix in FILE_SUFFIXES or "/" in path and (path.startswith((".", "/", "~")) or p.parent.exists()):
+        raise RlhfError(f"data file {p} does not exist; check data.train_path / data.eval_path")
+    return _read_hub_dataset(path, split)
+
+
+def _read_jsonl(p: Path) -> list[dict]:
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RlhfError(f"{p}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix or remove that line") from e
+            if not isinstance(row, dict):
+                raise RlhfError(f"{p}:{n}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_json(p: Path) -> list[dict]:
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise RlhfError(f"{p}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        obj = obj["data"]
+    if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
+        raise RlhfError(f"{p}: expected a JSON list of objects (or {{\"data\": [...]}}); use .jsonl for one object per line")
+    return obj
+
+
+def _read_hub_dataset(name: str, split: str) -> list[dict]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - offline, unknown name, bad split all end here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RlhfError(f"could not load dataset '{name}' (split {split}): {first}; "
+                        "give a local json/jsonl/parquet file instead") from e
+    return [dict(r) for r in ds]
+
+
+# ------------------------------------------------------------------------------------------------- formats
+def detect_format(row: dict) -> str | None:
+    if {"question", "chosen", "rejected"} <= row.keys():
+        return "seed"
+    if {"chosen", "rejected"} <= row.keys():
+        if isinstance(row["chosen"], list):
+            return "conversational"
+        if "prompt" in row:
+            return "prompt"
+    if "messages" in row or {"prompt", "completion"} <= row.keys():
+        return "messages"
+    return None
+
+
+_REQUIRED = {
+    "seed": ("question", "chosen", "rejected"),
+    "prompt": ("prompt", "chosen", "rejected"),
+    "conversational": ("chosen", "rejected"),
+    "messages": ("messages | prompt+completion",),
+}
+
+
+def _as_messages(x, role: str) -> list[dict]:
+    if isinstance(x, str):
+        return [{"role": role, "content": x}]
+    return [{"role": m["role"], "content": m["content"]} for m in x]
+
+
+def _answer(msgs) -> str:
+    if isinstance(msgs, str):
+        return msgs
+    if not msgs or msgs[-1].get("role") != "assistant":
+        raise ValueError("the last message must be the assistant's answer")
+    return msgs[-1]["content"]
+
+
+def to_example(row: dict, fmt: str) -> Example:
+    if fmt == "seed":
+        return Example(_as_messages(row["question"], "user"), row["chosen"], row["rejected"])
+    if fmt == "prompt":
+        return Example(_as_messages(row["prompt"], "user"), _answer(row["chosen"]), _answer(row["rejected"]))
+    if fmt == "conversational":
+        if "prompt" in row:
+            return Example(_as_messages(row["prompt"], "user"), _answer(row["chosen"]), _answer(row["rejected"]))
+        # implicit prompt: everything before the final assistant turn (shared by chosen and rejected)
+        return Example(_as_messages(row["chosen"][:-1], "user"), _answer(row["chosen"]), _answer(row["rejected"]))
+    if "messages" in row:
+        msgs = _as_messages(row["messages"], "user")
+        return Example(msgs[:-1], _answer(msgs))
+    return Example(_as_messages(row["prompt"], "user"), _answer(row["completion"]))
+
+
+def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | None = None) -> list[Example]:
+    if not rows:
+        raise RlhfError(f"{source}: the dataset is empty; give a file with at least one row")
+    if fmt == "auto":
+        fmt = detect_format(rows[0]) or ""
+        if not fmt:
+            raise RlhfError(f"{source}: row 1 has keys {sorted(rows[0])}, which match no known format; expected "
+                            "question/chosen/rejected, prompt/chosen/rejected, chosen/rejected messages, or messages")
+    elif fmt not in FORMATS:
+        raise RlhfError(f"data.format={fmt} is unknown; choose auto or one of {', '.join(FORMATS)}")
+    out = []
+    for i, row in enumerate(rows, 1):
+        if detect_format(row) != fmt and not (fmt == "seed" and {"question", "chosen", "rejected"} <= row.keys()):
+            missing = [k for k in _REQUIRED[fmt][0].split(" | ")[0].split("+") if k not in row] \
+                if fmt == "messages" else [k for k in _REQUIRED[fmt] if k not in row]
+            raise RlhfError(f"{source}: row {i} is missing required key(s) {', '.join(missing) or _REQUIRED[fmt]} "
+                            f"for the {fmt} format (found {', '.join(sorted(row)) or 'none'})")
+        try:
+            ex = to_example(row, fmt)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RlhfError(f"{source}: row {i}: {e} ({fmt} format)") from e
+        if system_prompt and not any(m["role"] == "system" for m in ex.prompt):
+            ex.prompt = [{"role": "system", "content": system_prompt}, *ex.prompt]
+        out.append(ex)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- loading
+def load_examples(data_cfg, need_rejected: bool = True) -> tuple[list[Example], list[Example]]:
+    """Train and eval examples from `data.*`: eval from `eval_path`, else a seeded `eval_ratio` split."""
+    train = to_examples(read_rows(data_cfg.train_path, data_cfg.split), data_cfg.format,
+                        str(data_cfg.train_path), data_cfg.system_prompt)
+    if data_cfg.eval_path:
+        evals = to_examples(read_rows(data_cfg.eval_path, "test"), data_cfg.format,
+                            str(data_cfg.eval_path), data_cfg.system_prompt)
+    else:
+        idx = list(range(len(train)))
+        random.Random(int(data_cfg.split_seed)).shuffle(idx)
+        n_eval = max(1, int(round(len(train) * float(data_cfg.eval_ratio)))) if len(train) > 1 else 0
+        evals = [train[i] for i in idx[:n_eval]]
+        train = [train[i] for i in idx[n_eval:]]
+    if need_rejected:
+        for name, exs in (("train", train), ("eval", evals)):
+            if exs and exs[0].rejected is None:
+                raise RlhfError(f"data.{name}_path has no rejected answers: this stage needs preference pairs "
+                                "(question/chosen/rejected or prompt/chosen/rejected)")
+        train = drop_ties(train, str(data_cfg.train_path))
+        evals = drop_ties(evals, str(data_cfg.eval_path or data_cfg.train_path))
+    if data_cfg.max_rows:
+        train = train[: int(data_cfg.max_rows)]
+    if not train:
+        raise RlhfError(f"{data_cfg.train_path}: no training rows left after splitting/filtering")
+    return train, evals
+
+
+def drop_ties(examples: list[Example], source: str) -> list[Example]:
+    kept = [e for e in examples if e.chosen.strip() != (e.rejected or "").strip()]
+    if len(kept) < len(examples):
+        log.warning("%s: dropped %d of %d pairs whose chosen and rejected answers are identical",
+                    source, len(examples) - len(kept), len(examples))
+    if not kept:
+        raise RlhfError(f"{source}: every pair has chosen == rejected; a preference pair needs two different answers")
+    return kept
+
+
+def prompt_text(tokenizer, messages: list[dict], enable_thinking: bool = False) -> str:
+    """The one way a prompt is rendered in every stage: the chat template plus the assistant header."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+
+
+def filter_long_prompts(examples: list[Example], tokenizer, max_prompt_length: int, source: str,
+                        enable_thinking: bool = False) -> list[Example]:
+    """Drop examples whose rendered prompt exceeds `max_prompt_length` tokens, and say how many."""
+    kept = [e for e in examples
+            if len(tokenizer(prompt_text(tokenizer, e.prompt, enable_thinking), add_special_tokens=False)
+                   ["input_ids"]) <= max_prompt_length]
+    if len(kept) < len(examples):
+        log.warning("%s: dropped %d of %d examples whose prompt is longer than data.max_prompt_length=%d tokens",
+                    source, len(examples) - len(kept), len(examples), max_prompt_length)
+    if examples and not kept:
+        raise RlhfError(f"{source}: every prompt is longer than data.max_prompt_length={max_prompt_length} tokens; "
+                        "raise data.max_prompt_length")
+    return kept

@@ -1,0 +1,4 @@
+"""Placeholder replaced below."""
+def run(cfg):
+    from omegaconf import OmegaConf
+    print(OmegaConf.to_yaml(cfg.ppo))

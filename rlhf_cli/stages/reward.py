@@ -1,0 +1,100 @@
+"""`rlhf reward`: a Bradley-Terry reward model with trl's RewardTrainer, loss = -log σ(r_chosen - r_rejected).
+
+The model is `AutoModelForSequenceClassification(num_labels=1)` initialised from the SFT output. It is trained
+on exactly the token sequences PPO will score: the rendered prompt (chat template + assistant header) followed
+by the answer and EOS, so the score is read at the EOS token in both places.
+
+Writes `reward.output_dir`: the model + tokenizer, score_stats.json (mean/std of its scores over training
+answers, for PPO's score normalisation), metrics.json (held-out accuracy and margin), TensorBoard events.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from rlhf_cli import data as D
+from rlhf_cli.config import require_dir
+from rlhf_cli.io import atomic_dir, write_json
+from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
+from rlhf_cli.stages._common import train_dtype, trainer_kwargs
+
+log = logging.getLogger("rlhf")
+
+
+def pair_rows(examples: list[D.Example], tok, enable_thinking: bool) -> list[dict]:
+    """trl's standard explicit format; trl appends EOS to prompt + answer."""
+    return [{"prompt": D.prompt_text(tok, ex.prompt, enable_thinking), "chosen": ex.chosen,
+             "rejected": ex.rejected} for ex in examples]
+
+
+@torch.no_grad()
+def score_texts(model, tok, texts: list[str], batch_size: int = 64) -> torch.Tensor:
+    """Reward-model scores (N,) of full texts (prompt + answer + EOS), left-padded in batches."""
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(texts), batch_size):
+        enc = tok(texts[i: i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        out.append(model(**enc, position_ids=pos).logits[:, 0].float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def run(cfg) -> None:
+    setup_torch(cfg)
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    r = cfg.reward
+    if str(r.init_from) == "base":
+        init = base_model_dir(cfg)
+    else:
+        init = require_dir(r.init_from, "SFT model (reward.init_from)", "rlhf sft", marker="config.json")
+    tok = load_tokenizer(init, cfg.model)
+    thinking = bool(cfg.model.enable_thinking)
+    train, evals = D.load_examples(cfg.data, need_rejected=True)
+    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking)
+    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking)
+    train_rows, eval_rows = pair_rows(train, tok, thinking), pair_rows(evals, tok, thinking)
+
+    dtype, precision = train_dtype(cfg)
+    model = load_seq_cls(init, tok, dtype, cfg.model)
+    with atomic_dir(r.output_dir) as out:
+        args = RewardConfig(**trainer_kwargs(r, cfg, out, precision, len(train_rows)),
+                            center_rewards_coefficient=r.center_rewards_coefficient, disable_dropout=True)
+        trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
+                                eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+                                processing_class=tok)
+        dropped = len(train_rows) - len(trainer.train_dataset)
+        if dropped:
+            log.warning("reward: dropped %d of %d training pairs longer than reward.max_length=%d tokens",
+                        dropped, len(train_rows), r.max_length)
+        t0 = time.perf_counter()
+        result = trainer.train()
+        seconds = time.perf_counter() - t0
+        ev = trainer.evaluate() if eval_rows else {}
+        model = trainer.model
+        if trainer.is_world_process_zero():
+            # Score statistics over training answers (both sides), for PPO's (score - mean) / std.
+            sample = train_rows[:1024]
+            texts = [row["prompt"] + ans + tok.eos_token for row in sample for ans in (row["chosen"], row["rejected"])]
+            scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size))
+            stats = {"mean": scores.mean().item(), "std": max(scores.std().item(), 1e-6), "n": len(texts)}
+            model.save_pretrained(str(out))
+            tok.save_pretrained(str(out))
+            write_json(out / "score_stats.json", stats)
+            metrics = {"eval_accuracy": ev.get("eval_accuracy"), "eval_margin": ev.get("eval_margin"),
+                       "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss,
+                       "steps": result.global_step, "train_pairs": len(trainer.train_dataset),
+                       "eval_pairs": len(eval_rows), "train_seconds": round(seconds, 2), "init_from": str(init),
+                       "score_mean": stats["mean"], "score_std": stats["std"]}
+            write_json(out / "metrics.json", metrics)
+    acc, margin = ev.get("eval_accuracy"), ev.get("eval_margin")
+    msg = (f"reward: held-out accuracy {acc:.3f}, margin {margin:.2f} on {len(eval_rows)} pairs"
+           if acc is not None and not math.isnan(acc) else "reward: no eval split")
+    log.info("%s; %d steps in %.1f s; wrote %s", msg, result.global_step, seconds, r.output_dir)
+    print(msg)

@@ -1,0 +1,72 @@
+"""`rlhf sft`: supervised fine-tuning with trl's SFTTrainer, loss on the answer tokens only.
+
+Writes `sft.output_dir`: a plain `AutoModelForCausalLM` directory (a LoRA adapter, if trained, is merged) with
+the tokenizer, TensorBoard events under tensorboard/, and metrics.json (eval loss before and after).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rlhf_cli import data as D
+from rlhf_cli.io import atomic_dir, write_json
+from rlhf_cli.models import base_model_dir, load_causal_lm, load_tokenizer, lora_config, setup_torch
+from rlhf_cli.stages._common import train_dtype, trainer_kwargs
+
+log = logging.getLogger("rlhf")
+
+
+def sft_rows(examples: list[D.Example], on_rejected: bool, enable_thinking: bool) -> list[dict]:
+    """Conversational prompt/completion rows: trl masks the prompt, so the loss is on the answer only."""
+    rows = []
+    for ex in examples:
+        answers = [ex.chosen] + ([ex.rejected] if on_rejected and ex.rejected else [])
+        for a in answers:
+            rows.append({"prompt": ex.prompt, "completion": [{"role": "assistant", "content": a}],
+                         "chat_template_kwargs": {"enable_thinking": enable_thinking}})
+    return rows
+
+
+def run(cfg) -> None:
+    setup_torch(cfg)
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    s = cfg.sft
+    base = base_model_dir(cfg)
+    tok = load_tokenizer(base, cfg.model)
+    thinking = bool(cfg.model.enable_thinking)
+    train, evals = D.load_examples(cfg.data, need_rejected=bool(cfg.data.sft_on_rejected))
+    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking)
+    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking)
+    train_rows = sft_rows(train, bool(cfg.data.sft_on_rejected), thinking)
+    eval_rows = sft_rows(evals, bool(cfg.data.sft_on_rejected), thinking)
+
+    dtype, precision = train_dtype(cfg)
+    model = load_causal_lm(base, dtype, cfg.model)
+    peft_config = lora_config(s.lora, "CAUSAL_LM") if s.lora.enabled else None
+    with atomic_dir(s.output_dir) as out:
+        args = SFTConfig(**trainer_kwargs(s, cfg, out, precision, len(train_rows)),
+                         completion_only_loss=True, packing=False, dataset_num_proc=None)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
+                             eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+                             processing_class=tok, peft_config=peft_config)
+        start = trainer.evaluate()["eval_loss"] if eval_rows else None
+        t0 = time.perf_counter()
+        result = trainer.train()
+        seconds = time.perf_counter() - t0
+        end = trainer.evaluate()["eval_loss"] if eval_rows else None
+        model = trainer.model
+        if peft_config is not None:
+            model = model.merge_and_unload()
+        if trainer.is_world_process_zero():
+            model.save_pretrained(str(out))
+            tok.save_pretrained(str(out))
+            metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
+                       "steps": result.global_step, "train_rows": len(train_rows), "eval_rows": len(eval_rows),
+                       "train_seconds": round(seconds, 2), "base_model": str(base)}
+            write_json(out / "metrics.json", metrics)
+    log.info("sft: eval loss %s -> %s in %d steps (%.1f s); wrote %s",
+             f"{start:.3f}" if start is not None else "n/a", f"{end:.3f}" if end is not None else "n/a",
+             result.global_step, seconds, s.output_dir)
