@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,9 @@ def searchpath_override() -> str:
 
 
 def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Inside Hydra's quoted strings a backslash is literal unless it is part of a run of backslashes before a
+    # quote (or before the closing quote): only those runs are doubled, and quotes escaped.
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value) + "'"
 
 
 def _free_text(override: str, command: str) -> str:

@@ -1,12 +1,13 @@
 """The zero-download default base model (``model.name_or_path: tiny``).
 
-A byte-level BPE tokenizer is trained locally on the shipped demo training data and paired with a randomly
-initialised two-layer Qwen3 model (about half a million parameters). Everything is built deterministically from a
-seed and cached in a directory, so the whole pipeline runs offline and quickly on a CPU.
+A byte-level BPE tokenizer is trained locally on the shipped demo training data and paired with a
+randomly initialised two-layer Qwen3 model (about half a million parameters). Everything is built
+deterministically from a seed and cached in a directory, so the whole pipeline runs offline and quickly on
+a CPU.
 
 Tokenizer special tokens: ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (eos, end of a chat turn) and
-``<|pad|>`` (padding, distinct from eos). Like Qwen3, the tokenizer has no bos token (``bos_token`` is None) and
-never adds one; the model config's ``bos_token_id`` points at ``<|endoftext|>`` as Qwen3's does.
+``<|pad|>`` (padding, distinct from eos). Like Qwen3, the tokenizer has no bos token (``bos_token`` is
+None) and never adds one; the model config's ``bos_token_id`` points at ``<|endoftext|>`` as Qwen3's does.
 """
 
 from __future__ import annotations
@@ -171,9 +172,9 @@ def build_tiny_base(
 ) -> Path:
     """Build (or reuse) the tiny base model + tokenizer in ``out_dir`` and return its path.
 
-    A ``tiny_base.json`` marker records the build arguments and the training data's hash. If ``out_dir`` already
-    holds a build with the same marker it is returned untouched; otherwise it is rebuilt in a temporary sibling
-    directory and moved into place, so ``out_dir`` is never left half-written.
+    A ``tiny_base.json`` marker records the build arguments and the training data's hash. If ``out_dir``
+    already holds a build with the same marker it is returned untouched; otherwise it is rebuilt in a
+    temporary sibling directory and moved into place, so ``out_dir`` is never left half-written.
     """
     from rlhf_cli.demo import TRAIN_FILE
 
@@ -202,6 +203,10 @@ def build_tiny_base(
     if out_dir.exists() and not out_dir.is_dir():
         raise RlhfError(f"tiny model directory {out_dir} exists and is not a directory; remove it or choose "
                         "another path")
+    if out_dir.is_dir() and _read_marker(out_dir) is None and any(out_dir.iterdir()):
+        # Never replace a directory this module did not build.
+        raise RlhfError(f"tiny model directory {out_dir} is not empty and has no {MARKER_FILE}; remove it or "
+                        "choose another path")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
@@ -263,8 +268,9 @@ def _move_into_place(tmp_dir: Path, out_dir: Path, marker: dict) -> None:
     except OSError:
         # Another process finished the same build first: keep its result if it matches.
         if _read_marker(out_dir) != marker:
-            raise RlhfError(f"could not move the tiny model into {out_dir}; remove that directory and retry") \
-                from None
+            raise RlhfError(
+                f"could not move the tiny model into {out_dir}; remove that directory and retry"
+            ) from None
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

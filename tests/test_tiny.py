@@ -176,3 +176,12 @@ def test_build_rejects_file_path(tmp_path):
     target.write_text("x")
     with pytest.raises(RlhfError, match="not a directory"):
         build_tiny_base(target)
+
+
+def test_build_refuses_foreign_dir(tmp_path):
+    target = tmp_path / "someone_elses"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(RlhfError, match="no tiny_base.json"):
+        build_tiny_base(target)
+    assert (target / "keep.txt").read_text() == "mine"
