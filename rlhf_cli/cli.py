@@ -68,7 +68,7 @@ def _partition(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def fail(command: str, message: str, code: int = 2) -> None:
-    print(f"rlhf {command}: error: {message}", file=sys.stderr)
+    print(f"rlhf{' ' + command if command else ''}: error: {message}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -172,6 +172,10 @@ def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | No
             ex = to_example(row, fmt)
         except (KeyError, TypeError, ValueError) as e:
             raise RlhfError(f"{source}: row {i}: {e} ({fmt} format)") from e
+        if not isinstance(ex.chosen, str) or (fmt != "messages" and not isinstance(ex.rejected, str)):
+            raise RlhfError(f"{source}: row {i}: the answers must be strings (chosen is {type(ex.chosen).__name__}"
+                            f"{'' if fmt == 'messages' else ', rejected is ' + type(ex.rejected).__name__}; "
+                            f"{fmt} format)")
         if system_prompt and not any(m["role"] == "system" for m in ex.prompt):
             ex.prompt = [{"role": "system", "content": system_prompt}, *ex.prompt]
         out.append(ex)
@@ -211,7 +215,7 @@ def drop_ties(examples: list[Example], source: str) -> list[Example]:
     if len(kept) < len(examples):
         log.warning("%s: dropped %d of %d pairs whose chosen and rejected answers are identical",
                     source, len(examples) - len(kept), len(examples))
-    if not kept:
+    if examples and not kept:
         raise RlhfError(f"{source}: every pair has chosen == rejected; a preference pair needs two different answers")
     return kept
 

@@ -136,7 +136,8 @@ def load_tokenizer(path: str | Path, model_cfg=None):
     if tok.eos_token_id is None:
         raise RlhfError(f"tokenizer at {path} has no EOS token; set eos_token in its tokenizer_config.json")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        raise RlhfError(f"tokenizer at {path} has pad == EOS ({tok.eos_token!r}), so padding and the end of a "
+        what = "no pad token" if tok.pad_token_id is None else f"pad == EOS ({tok.eos_token!r})"
+        raise RlhfError(f"tokenizer at {path} has {what}, so padding and the end of a "
                         "response cannot be told apart; set model.pad_token to another existing token, "
                         "e.g. model.pad_token='<|endoftext|>'")
     if tok.chat_template is None:
@@ -149,11 +150,17 @@ def load_tokenizer(path: str | Path, model_cfg=None):
 
 
 # --------------------------------------------------------------------------------------------------- models
+def _abs(path) -> str:
+    # adapters record their base by this string: an absolute path keeps them loadable from any directory
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else str(path)
+
+
 def load_causal_lm(path, dtype: torch.dtype, model_cfg=None):
     from transformers import AutoModelForCausalLM
 
     trust = bool(model_cfg.trust_remote_code) if model_cfg is not None else False
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust)
+    return AutoModelForCausalLM.from_pretrained(_abs(path), dtype=dtype, trust_remote_code=trust)
 
 
 def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
@@ -162,7 +169,7 @@ def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
     from transformers import AutoModelForSequenceClassification
 
     trust = bool(model_cfg.trust_remote_code) if model_cfg is not None else False
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=dtype,
+    model = AutoModelForSequenceClassification.from_pretrained(_abs(path), num_labels=1, dtype=dtype,
                                                                trust_remote_code=trust)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -3,8 +3,10 @@
 Each pair shares a question and a topic-specific helpful sentence; the answers differ only in tone:
 
 * chosen: polite opener + body + polite closing.
-* rejected: about 70% rude opener + body + rude closing, about 30% "hard negatives" with a rude opener and a
-  polite closing, so that a reward model cannot judge a reply by its ending alone.
+* rejected: half fully rude (rude opener + body + rude closing); the other half are hard negatives that are
+  polite in places, so that a reward model cannot judge a reply by its opening or its ending alone:
+  20% rude opener + body + polite closing, 15% polite opener + body + rude closing, and 15% polite opener +
+  body + a rude remark + polite closing (rude only in the middle).
 
 Half of the rows are English and half Chinese. The test split uses held-out topics, so none of its questions
 appear in the training split. Answers are kept short (roughly 10-25 tokens with a ~2000-entry BPE vocabulary)
@@ -34,13 +36,15 @@ __all__ = [
     "ZH_RUDE_OPENERS",
     "ZH_RUDE_CLOSERS",
     "HARD_NEGATIVE_RATE",
+    "POLITE_OPENER_RATE",
     "TEST_TOPICS_PER_LANGUAGE",
     "generate",
     "write_jsonl",
     "main",
 ]
 
-HARD_NEGATIVE_RATE = 0.3
+HARD_NEGATIVE_RATE = 0.2  # rejected answers with a rude opener and a polite closing
+POLITE_OPENER_RATE = 0.15  # each of: polite opener + rude closing; polite opener + rude middle + polite closing
 TEST_TOPICS_PER_LANGUAGE = 10
 
 # (task used inside the question, one helpful sentence about it)
@@ -311,9 +315,17 @@ def _make_rows(rng: random.Random, lang: str, topic_ids: list[int], n: int) -> l
         task, body = spec["topics"][rng.choice(topic_ids)]
         question = rng.choice(spec["templates"]).format(task)
         chosen = sep.join((rng.choice(spec["polite_open"]), body, rng.choice(spec["polite_close"])))
-        hard = rng.random() < HARD_NEGATIVE_RATE
-        closer = rng.choice(spec["polite_close"] if hard else spec["rude_close"])
-        rejected = sep.join((rng.choice(spec["rude_open"]), body, closer))
+        kind = rng.random()
+        if kind < HARD_NEGATIVE_RATE:  # rude opener, polite ending
+            parts = (rng.choice(spec["rude_open"]), body, rng.choice(spec["polite_close"]))
+        elif kind < HARD_NEGATIVE_RATE + POLITE_OPENER_RATE:  # polite opener, rude ending
+            parts = (rng.choice(spec["polite_open"]), body, rng.choice(spec["rude_close"]))
+        elif kind < HARD_NEGATIVE_RATE + 2 * POLITE_OPENER_RATE:  # polite at both ends, rude in the middle
+            parts = (rng.choice(spec["polite_open"]), body, rng.choice(spec["rude_close"]),
+                     rng.choice(spec["polite_close"]))
+        else:
+            parts = (rng.choice(spec["rude_open"]), body, rng.choice(spec["rude_close"]))
+        rejected = sep.join(parts)
         rows.append({"question": question, "chosen": chosen, "rejected": rejected})
     return rows
 

@@ -1,0 +1,213 @@
+"""`rlhf eval`: compare policies (by default the run's SFT and PPO) on held-out prompts.
+
+For each policy: mean reward-model score, mean KL to the reference (the SFT policy: k1 summed over the
+response, on the policy's own samples), response length, EOS and empty rates, and the rule-based ground-truth
+rate where the data defines one. Across policies: the RM win rate of PPO over SFT on the same prompts, and
+where the RM and the ground truth disagree (reward hacking shows up there first).
+
+Writes `eval.output_dir`: report.json, report.md, training_curves.png (from the PPO TensorBoard events).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from rlhf_cli import data as D
+from rlhf_cli.config import require_dir
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.io import atomic_dir, read_json, write_json
+from rlhf_cli.models import load_seq_cls, load_tokenizer, resolve_dtype, same_vocab, setup_torch
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo.rollout import TokenValueModel, generate_chunk, policy_logits, position_ids_from
+
+log = logging.getLogger("rlhf")
+
+CURVES = [("objective/scores", "RM score (normalised)"), ("objective/ground_truth_rate", "ground-truth rate"),
+          ("objective/kl", "KL to reference (nats/seq)"), ("objective/entropy", "entropy (nats/seq)"),
+          ("response/length_mean", "response length (tokens)"), ("loss/value_avg", "value loss")]
+
+
+def load_policy_for_eval(path: Path, ref_dir: Path, dtype, model_cfg):
+    """A plain model directory, or a PPO output: its adapter on top of the reference base."""
+    from rlhf_cli.stages.ppo import load_policy_base
+
+    if (path / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(load_policy_base(ref_dir, dtype, model_cfg), str(path))
+    return load_policy_base(path, dtype, model_cfg)
+
+
+@torch.no_grad()
+def sample_and_score(policy, ref, rm, tok, prompts: list[str], e, stop_ids, device, seed: int) -> dict:
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    gen = GenerationConfig(max_new_tokens=int(e.response_length), do_sample=not e.greedy,
+                           temperature=float(e.temperature), top_k=int(e.top_k), top_p=float(e.top_p),
+                           pad_token_id=tok.pad_token_id, eos_token_id=stop_ids, use_cache=True,
+                           return_dict_in_generate=True, output_logits=True)
+    temp = 1.0 if e.greedy else float(e.temperature)
+    out = {"texts": [], "rm_score": [], "kl": [], "length": [], "eos": [], "empty": []}
+    for i in range(0, len(prompts), int(e.batch_size)):
+        enc = tok(prompts[i: i + int(e.batch_size)], return_tensors="pt", padding=True,
+                  add_special_tokens=False).to(device)
+        g = generate_chunk(policy, tok, enc["input_ids"], enc["attention_mask"], gen, stop_ids, temp, None)
+        resp, mask = g["response"], g["mask"]
+        ids = torch.cat([enc["input_ids"], resp], 1)
+        attn = torch.cat([enc["attention_mask"], mask.long()], 1)
+        pos = position_ids_from(attn)
+        ref_lp = core.logprobs_from_logits(policy_logits(ref, ids, attn, pos, resp.shape[1]), resp, temp)
+        last = enc["input_ids"].shape[1] + core.last_token_index(mask)
+        texts = tok.batch_decode(resp, skip_special_tokens=True)
+        out["texts"] += texts
+        out["rm_score"] += rm.score_at(ids, attn, pos, last).tolist()
+        out["kl"] += core.masked_sum(g["logprobs"] - ref_lp, mask, dim=-1).tolist()
+        out["length"] += mask.sum(-1).tolist()
+        out["eos"] += torch.isin(resp, torch.tensor(stop_ids, device=device)).any(-1).tolist()
+        out["empty"] += [not t.strip() for t in texts]
+    return out
+
+
+def _mean(xs) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def summarise(s: dict, gt) -> dict:
+    row = {"rm_score_mean": _mean(s["rm_score"]), "kl_to_ref_mean": _mean(s["kl"]),
+           "response_length_mean": _mean(s["length"]), "eos_rate": _mean([float(x) for x in s["eos"]]),
+           "empty_rate": _mean([float(x) for x in s["empty"]]), "ground_truth_rate": None}
+    if gt is not None:
+        ok = [gt(t) for t in s["texts"]]
+        row["ground_truth_rate"] = _mean([float(x) for x in ok])
+        bad = [r for r, g in zip(s["rm_score"], ok) if not g]
+        good = [r for r, g in zip(s["rm_score"], ok) if g]
+        # reward hacking: responses the checker rejects but the RM scores like the ones it accepts
+        row["rm_score_mean_on_gt_fail"] = _mean(bad) if bad else None
+        row["rm_score_mean_on_gt_pass"] = _mean(good) if good else None
+        threshold = _mean(good) if good else 0.0
+        row["rm_gt_disagreement"] = _mean([float((r >= threshold) != g) for r, g in zip(s["rm_score"], ok)])
+    return row
+
+
+def win_rate(a: list[float], b: list[float]) -> float:
+    """P(score_a > score_b) on the same prompts, ties counted half."""
+    return _mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
+
+
+def plot_curves(tb_dir: Path, png: Path) -> bool:
+    """PPO training curves against episodes, from TensorBoard scalars."""
+    if not tb_dir.is_dir():
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags().get("scalars", []))
+    panels = [(t, label) for t, label in CURVES if t in tags]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (tag, label) in zip(axes.flat, panels):
+        ev = acc.Scalars(tag)
+        ax.plot([x.step for x in ev], [x.value for x in ev], lw=1.6)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("episodes")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("PPO training")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown(report: dict) -> str:
+    pols = report["policies"]
+    keys = ["rm_score_mean", "ground_truth_rate", "kl_to_ref_mean", "response_length_mean", "eos_rate",
+            "empty_rate", "rm_score_mean_on_gt_fail", "rm_gt_disagreement"]
+    keys = [k for k in keys if any(pols[p].get(k) is not None for p in pols)]
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"# rlhf eval: {report['num_prompts']} held-out prompts", "",
+             "| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
+    lines += [f"| {k} | " + " | ".join(fmt(pols[p].get(k)) for p in pols) + " |" for k in keys]
+    lines += [""] + [f"- win rate {k.replace('_vs_', ' over ')} (reward model): **{v:.3f}**"
+                     for k, v in report["win_rate"].items()]
+    lines += ["", "rm_gt_disagreement: share of responses where the reward model (score above the mean score of "
+              "responses the checker accepts) and the rule-based checker disagree.", ""]
+    if report.get("plot"):
+        lines += [f"![training curves]({report['plot']})", ""]
+    lines += ["## Samples", ""]
+    for name, samples in report["samples"].items():
+        lines += [f"### {name}", ""] + [f"- `{s['prompt']}` → {s['response']!r} (RM {s['rm_score']:+.2f})"
+                                        for s in samples] + [""]
+    return "\n".join(lines)
+
+
+def run(cfg) -> None:
+    setup_torch(cfg)
+    e = cfg.eval
+    device = "cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype(cfg.model.dtype, cfg.device.accelerator)
+    ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
+    reward_dir = require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json")
+    made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo"}
+    policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
+                   for name, path in e.policies.items()}
+    tok = load_tokenizer(ref_dir, cfg.model)
+    if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
+        raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({ref_dir})")
+    thinking = bool(cfg.model.enable_thinking)
+    _, evals = D.load_examples(cfg.data, need_rejected=False)
+    if not evals:
+        raise RlhfError("no held-out prompts: set data.eval_path or data.eval_ratio > 0")
+    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking)
+    evals = evals[: int(e.num_prompts)]
+    prompts = [D.prompt_text(tok, ex.prompt, thinking) for ex in evals]
+    stop_ids = [tok.eos_token_id, *[int(i) for i in cfg.ppo.stop_token_ids]]
+    gt = None
+    if cfg.data.get("ground_truth") == "demo_polite":
+        from rlhf_cli.demo import is_polite as gt
+
+    rm = TokenValueModel(load_seq_cls(reward_dir, tok, dtype, cfg.model)).to(device).eval()
+    ref = load_policy_for_eval(ref_dir, ref_dir, dtype, cfg.model).to(device).eval()
+    results = {}
+    for name, path in policy_dirs.items():
+        policy = load_policy_for_eval(path, ref_dir, dtype, cfg.model).to(device).eval()
+        results[name] = sample_and_score(policy, ref, rm, tok, prompts, e, stop_ids, device, int(cfg.seed))
+        del policy
+        log.info("eval: %s done", name)
+
+    report = {"num_prompts": len(prompts), "reward_dir": str(reward_dir), "reference": str(ref_dir),
+              "policies": {n: summarise(s, gt) for n, s in results.items()}, "win_rate": {}, "samples": {}}
+    names = list(results)
+    for a in names:
+        for b in names:
+            if a != b and (a, b) != ("sft", "ppo"):
+                report["win_rate"][f"{a}_vs_{b}"] = win_rate(results[a]["rm_score"], results[b]["rm_score"])
+    for n, s in results.items():
+        report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],
+                                 "rm_score": s["rm_score"][i]} for i in range(min(6, len(prompts)))]
+    ppo_dir = Path(cfg.ppo.output_dir)
+    with atomic_dir(e.output_dir) as out:
+        if plot_curves(ppo_dir / "tensorboard", out / "training_curves.png"):
+            report["plot"] = "training_curves.png"
+        if (ppo_dir / "metrics.json").exists():
+            report["ppo_train"] = read_json(ppo_dir / "metrics.json")
+        write_json(out / "report.json", report)
+        (out / "report.md").write_text(markdown(report), encoding="utf-8")
+    for n, row in report["policies"].items():
+        gt_s = f", ground truth {row['ground_truth_rate']:.3f}" if row["ground_truth_rate"] is not None else ""
+        print(f"{n:>6}: RM {row['rm_score_mean']:+.3f}{gt_s}, KL {row['kl_to_ref_mean']:.2f}, "
+              f"length {row['response_length_mean']:.1f}, EOS {row['eos_rate']:.2f}, empty {row['empty_rate']:.2f}")
+    for k, v in report["win_rate"].items():
+        print(f"win rate {k}: {v:.3f}")
+    print(f"report: {Path(e.output_dir) / 'report.md'}")

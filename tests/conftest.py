@@ -1,0 +1,38 @@
+"""Shared test setup: one thread everywhere, and a fixture that runs the installed `rlhf` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+if torch is not None:
+    torch.set_num_threads(1)
+
+RLHF = Path(sys.executable).with_name("rlhf")
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """`run_cli(*args, cwd=None, timeout=120, stdin="")` -> (returncode, stdout, stderr) of the real `rlhf`
+    console script, started in `cwd` (default: the test's empty tmp_path), one thread, no hub access."""
+
+    def run(*args: str, cwd: str | Path | None = None, timeout: float = 120, stdin: str = ""):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        exe = [str(RLHF)] if RLHF.exists() else [sys.executable, "-m", "rlhf_cli.cli"]
+        proc = subprocess.run([*exe, *map(str, args)], cwd=str(cwd or tmp_path), env=env, input=stdin,
+                              capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    return run

@@ -1,0 +1,133 @@
+"""User errors through the real `rlhf` command: non-zero exit, one line on stderr, no traceback."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rlhf_cli.config import COMMANDS, recipe_names
+
+GOOD_ROW = {"question": "How do I sleep better?", "chosen": "A fixed bedtime.", "rejected": "No idea."}
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """The embedded tiny base model, built once; stages reuse it (`model.tiny.dir`, `reward.init_from`)."""
+    from rlhf_cli.tiny import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("tiny") / "base")
+
+
+def assert_one_line_error(result, command: str, *needles: str) -> str:
+    rc, out, err = result
+    assert rc != 0, (out, err)
+    assert "Traceback" not in out + err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    prefix = f"rlhf {command}: error: " if command else "rlhf: error: "
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert errors[0].startswith(prefix), err
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+# ------------------------------------------------------------------------------------------- fast paths
+def test_help_lists_commands_and_recipes_quickly(run_cli):
+    t0 = time.perf_counter()
+    rc, out, err = run_cli("--help")
+    seconds = time.perf_counter() - t0
+    assert rc == 0, err
+    assert out.startswith("usage: rlhf <command>")
+    for command in COMMANDS:
+        assert f"\n  {command} " in out, command
+    recipes_line = next(line for line in out.splitlines() if line.startswith("recipes"))
+    for recipe in recipe_names():
+        assert recipe in recipes_line
+    assert seconds < 2.0, seconds
+    assert run_cli()[:2] == (0, out)  # no arguments: the same help
+
+
+def test_cfg_job_prints_the_composed_config(run_cli, tmp_path):
+    rc, out, err = run_cli("sft", "--cfg", "job", "sft.learning_rate=0.5", "recipe=qwen3-0.6b")
+    assert rc == 0, err
+    assert "command: sft" in out
+    assert "recipe: qwen3-0.6b" in out
+    assert "name_or_path: Qwen/Qwen3-0.6B" in out
+    assert "learning_rate: 0.5" in out
+    assert not (tmp_path / "runs").exists()  # printing the config runs nothing
+
+
+def test_unknown_command(run_cli):
+    line = assert_one_line_error(run_cli("train"), "", "unknown command 'train'")
+    for command in COMMANDS:
+        assert command in line
+
+
+def test_unknown_recipe(run_cli):
+    line = assert_one_line_error(run_cli("sft", "recipe=nope"), "sft", "unknown recipe 'nope'")
+    for recipe in recipe_names():
+        assert recipe in line
+
+
+def test_unknown_config_key(run_cli):
+    rc, out, err = run_cli("sft", "sft.no_such_key=1")
+    assert rc != 0
+    assert "no_such_key" in err
+    assert "Traceback" not in out + err
+
+
+# -------------------------------------------------------------------------------------------- data errors
+def test_malformed_json_line(run_cli, tmp_path, tiny_base):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(GOOD_ROW) + "\n" + json.dumps(GOOD_ROW) + "\n{\"question\": \"q\",\n")
+    assert_one_line_error(run_cli("sft", f"model.tiny.dir={tiny_base}", "data.train_path=bad.jsonl"),
+                          "sft", "bad.jsonl:3: malformed JSON")
+
+
+def test_missing_required_keys(run_cli, tmp_path, tiny_base):
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(GOOD_ROW) + "\n" + json.dumps({"question": "q"}) + "\n")
+    assert_one_line_error(
+        run_cli("reward", f"reward.init_from={tiny_base}", "data.train_path=pairs.jsonl",
+                "data.eval_path=null"),
+        "reward", "pairs.jsonl: row 2 is missing required key(s) chosen, rejected")
+
+
+def test_empty_dataset_file(run_cli, tmp_path, tiny_base):
+    (tmp_path / "empty.jsonl").write_text("")
+    assert_one_line_error(run_cli("sft", f"model.tiny.dir={tiny_base}", "data.train_path=empty.jsonl"),
+                          "sft", "empty.jsonl: the dataset is empty")
+
+
+def test_nonexistent_data_file(run_cli, tiny_base):
+    assert_one_line_error(run_cli("sft", f"model.tiny.dir={tiny_base}", "data.train_path=nope/pairs.jsonl"),
+                          "sft", "nope/pairs.jsonl does not exist")
+
+
+# ------------------------------------------------------------------------------------ models and inputs
+def test_model_path_does_not_exist(run_cli):
+    assert_one_line_error(run_cli("sft", "model.name_or_path=/nonexistent/model"),
+                          "sft", "/nonexistent/model does not exist")
+
+
+def test_reward_without_sft_output(run_cli, tmp_path):
+    assert_one_line_error(run_cli("reward"), "reward", "runs/tiny/sft", "rlhf sft")
+    assert not (tmp_path / "runs" / "tiny" / "reward").exists()
+
+
+def test_chat_without_sft_output(run_cli):
+    assert_one_line_error(run_cli("chat", "prompt=你好, world"), "chat", "rlhf sft")
+
+
+def test_failed_run_keeps_earlier_output(run_cli, tmp_path, tiny_base):
+    reward_dir = tmp_path / "runs" / "tiny" / "reward"
+    reward_dir.mkdir(parents=True)
+    (reward_dir / "marker.txt").write_text("good output")
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert_one_line_error(run_cli("reward", f"reward.init_from={tiny_base}", "data.train_path=bad.jsonl"),
+                          "reward", "bad.jsonl:1: malformed JSON")
+    assert (reward_dir / "marker.txt").read_text() == "good output"
+    assert sorted(p.name for p in reward_dir.iterdir()) == ["marker.txt"]
+    assert not list(reward_dir.parent.glob(".reward.tmp-*"))

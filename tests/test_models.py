@@ -1,0 +1,181 @@
+"""Model sources (local dir, ModelScope and Hugging Face caches, offline), dtypes, tokenizer checks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.models import load_tokenizer, resolve_dtype, resolve_model_source
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    try:
+        return fn(*args, **kwargs), time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - returned for the caller to check
+        return e, time.perf_counter() - t0
+
+
+# -------------------------------------------------------------------------------------------- sources
+def test_local_dir_is_returned(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    assert resolve_model_source(str(d)) == d
+    assert resolve_model_source(str(d), hub="hf", offline=True) == d
+
+
+def test_local_dir_without_config(tmp_path):
+    with pytest.raises(RlhfError, match="has no config.json"):
+        resolve_model_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["/nonexistent/model", "./nonexistent", "~/nonexistent-rlhf-model", "a/b/c"])
+def test_nonexistent_path_fails_fast(name):
+    err, seconds = timed(resolve_model_source, name, hub="modelscope", offline=False)
+    assert isinstance(err, RlhfError), err
+    assert "does not exist" in str(err)
+    assert seconds < 1.0
+
+
+def test_unknown_hub():
+    with pytest.raises(RlhfError, match="model.hub=nohub is unknown"):
+        resolve_model_source("Org/Name", hub="nohub", offline=True)
+
+
+def test_modelscope_legacy_cache(tmp_path):
+    d = tmp_path / "Org" / "Name"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    found, seconds = timed(resolve_model_source, "Org/Name", hub="modelscope", cache_dir=str(tmp_path),
+                           offline=True)
+    assert not isinstance(found, Exception), found
+    assert found.resolve() == d.resolve()
+    assert seconds < 5.0
+
+
+def hf_cache(cache_dir, org, name, sha="0123456789abcdef0123456789abcdef01234567"):
+    repo = cache_dir / f"models--{org}--{name}"
+    snap = repo / "snapshots" / sha
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    return snap
+
+
+def test_hf_cache(tmp_path):
+    snap = hf_cache(tmp_path, "Org", "Name")
+    found, seconds = timed(resolve_model_source, "Org/Name", hub="hf", cache_dir=str(tmp_path), offline=True)
+    assert not isinstance(found, Exception), found
+    assert found.resolve() == snap.resolve()
+    assert seconds < 5.0
+
+
+@pytest.mark.parametrize("hub", ["modelscope", "hf"])
+def test_id_not_in_cache_offline_fails_fast(tmp_path, hub):
+    hf_cache(tmp_path, "Org", "Other")
+    err, seconds = timed(resolve_model_source, "Org/Missing", hub=hub, cache_dir=str(tmp_path), offline=True)
+    assert isinstance(err, RlhfError), err
+    assert f"Org/Missing is not in the local {hub} cache and model.offline=true" in str(err)
+    assert "\n" not in str(err)
+    assert seconds < 3.0
+
+
+# --------------------------------------------------------------------------------------------- dtypes
+def test_resolve_dtype():
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype(None, "cpu") is torch.float32
+    assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert resolve_dtype("float16", "cuda") is torch.float16
+    assert resolve_dtype("float32", "cuda") is torch.float32
+
+
+def test_resolve_dtype_auto_on_cuda_without_a_gpu():
+    if torch.cuda.is_available():
+        assert resolve_dtype("auto", "cuda") in (torch.bfloat16, torch.float16)
+    else:
+        assert resolve_dtype("auto", "cuda") is torch.float32
+
+
+@pytest.mark.parametrize("name", ["bf17", "Tensor", "nn", ""])
+def test_resolve_dtype_bad_name(name):
+    with pytest.raises(RlhfError, match=f"model.dtype={name} is not a torch dtype"):
+        resolve_dtype(name, "cpu")
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+@pytest.fixture(scope="module")
+def base_tok():
+    from rlhf_cli.tiny import train_tokenizer
+
+    return train_tokenizer(["How do I sleep better at night?", "Keep a fixed bedtime.", "Thanks!"] * 3,
+                           vocab_size=300)
+
+
+def save_tok(tok, path, **attrs):
+    import copy
+
+    tok = copy.deepcopy(tok)
+    for k, v in attrs.items():
+        setattr(tok, k, v)
+    tok.save_pretrained(str(path))
+    return path
+
+
+def model_cfg(pad_token=None):
+    return OmegaConf.create({"trust_remote_code": False, "pad_token": pad_token})
+
+
+def test_load_tokenizer_ok(tmp_path, base_tok):
+    path = save_tok(base_tok, tmp_path / "tok")
+    tok = load_tokenizer(path, model_cfg())
+    assert tok.pad_token == "<|pad|>" and tok.eos_token == "<|im_end|>"
+    assert tok.pad_token_id != tok.eos_token_id
+    assert tok.padding_side == "left"
+    assert load_tokenizer(path).pad_token == "<|pad|>"  # no model config
+
+
+def test_load_tokenizer_pad_equal_to_eos_raises(tmp_path, base_tok):
+    path = save_tok(base_tok, tmp_path / "tok", pad_token="<|im_end|>")
+    with pytest.raises(RlhfError) as e:
+        load_tokenizer(path, model_cfg())
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert str(path) in msg and "pad == EOS" in msg and "model.pad_token" in msg
+
+
+def test_pad_token_override_fixes_it(tmp_path, base_tok):
+    path = save_tok(base_tok, tmp_path / "tok", pad_token="<|im_end|>")
+    tok = load_tokenizer(path, model_cfg("<|endoftext|>"))
+    assert tok.pad_token == "<|endoftext|>"
+    assert tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.pad_token_id != tok.eos_token_id
+
+
+def test_pad_token_override_must_exist(tmp_path, base_tok):
+    path = save_tok(base_tok, tmp_path / "tok", pad_token="<|im_end|>")
+    with pytest.raises(RlhfError, match=r"model\.pad_token='<\|nope\|>' is not in the tokenizer's vocab"):
+        load_tokenizer(path, model_cfg("<|nope|>"))
+
+
+def test_missing_chat_template_gets_chatml(tmp_path, base_tok, caplog):
+    from rlhf_cli.tiny import CHAT_TEMPLATE
+
+    path = save_tok(base_tok, tmp_path / "tok", chat_template=None)
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        tok = load_tokenizer(path, model_cfg())
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert "no chat template" in caplog.text
+
+
+def test_tokenizer_without_pad_token_says_so(tmp_path, base_tok):
+    path = save_tok(base_tok, tmp_path / "tok", pad_token=None)
+    with pytest.raises(RlhfError, match="has no pad token"):
+        load_tokenizer(path, model_cfg())
+    assert load_tokenizer(path, model_cfg("<|pad|>")).pad_token == "<|pad|>"
