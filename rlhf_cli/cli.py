@@ -76,6 +76,11 @@ def run_stage(cfg) -> None:
     """Run `rlhf_cli.stages.<command>.run(cfg)`, turning errors into one line and a non-zero exit."""
     command = cfg.command
     try:
+        rc = _launch(cfg)
+        if rc is not None:
+            if rc:
+                fail(command, f"the launched processes failed (exit {rc}); see their messages above", rc)
+            return
         module = importlib.import_module(f"rlhf_cli.stages.{command}")
         module.run(cfg)
     except RlhfError as e:
@@ -89,6 +94,20 @@ def run_stage(cfg) -> None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         fail(command, f"{type(e).__name__}: {first} (run again with debug=true for the traceback)", 1)
+
+
+def _launch(cfg) -> int | None:
+    """Multi-process devices start `rlhf` again under accelerate launch (rlhf_cli.launch); None: run here."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from rlhf_cli import launch
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    if launch.is_launched() and os.environ.get("RANK", "0") != "0":
+        logging.getLogger("rlhf").setLevel(logging.WARNING)  # rank 0 reports; the others only warn
+    return launch.handle(cfg, list(hc.overrides.task), hc.runtime.output_dir)
 
 
 def _hydra_app():
@@ -121,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(command, str(e))
     register_resolvers()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.environ.get("RANK", "0") != "0" and any(k in os.environ for k in ("LOCAL_RANK", "WORLD_SIZE")):
+        # started by a launcher, not the main process: rank 0 keeps the run's config and log files and prints
+        # the results; the others keep stderr (warnings, errors) only
+        hydra_overrides += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     sys.argv = [f"rlhf {command}", *flags, *hydra_overrides]
     _hydra_app()()
 

@@ -48,7 +48,9 @@ def _free_text(override: str, command: str) -> str:
         return override
     if command == "chat" and key in ("prompt", "system_prompt"):
         return f"chat.{key}={_quote(value)}"
-    if key in ("chat.prompt", "chat.system_prompt", "data.system_prompt") or not value.isascii():
+    # special-token spellings such as <|endoftext|> are never Hydra syntax
+    if key in ("chat.prompt", "chat.system_prompt", "data.system_prompt") or not value.isascii() \
+            or any(c in value for c in "<|>"):
         return f"{key}={_quote(value)}"
     return override
 

@@ -220,18 +220,21 @@ def drop_ties(examples: list[Example], source: str) -> list[Example]:
     return kept
 
 
-def prompt_text(tokenizer, messages: list[dict], enable_thinking: bool = False) -> str:
-    """The one way a prompt is rendered in every stage: the chat template plus the assistant header."""
+def prompt_text(tokenizer, messages: list[dict], enable_thinking: bool = False, chat_template: bool = True) -> str:
+    """The one way a prompt is rendered in every stage: the chat template plus the assistant header
+    (`data.chat_template=false`: the plain message texts, for base models without a template)."""
+    if not chat_template:
+        return "\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=enable_thinking)
 
 
 def filter_long_prompts(examples: list[Example], tokenizer, max_prompt_length: int, source: str,
-                        enable_thinking: bool = False) -> list[Example]:
+                        enable_thinking: bool = False, chat_template: bool = True) -> list[Example]:
     """Drop examples whose rendered prompt exceeds `max_prompt_length` tokens, and say how many."""
     kept = [e for e in examples
-            if len(tokenizer(prompt_text(tokenizer, e.prompt, enable_thinking), add_special_tokens=False)
-                   ["input_ids"]) <= max_prompt_length]
+            if len(tokenizer(prompt_text(tokenizer, e.prompt, enable_thinking, chat_template),
+                             add_special_tokens=False)["input_ids"]) <= max_prompt_length]
     if len(kept) < len(examples):
         log.warning("%s: dropped %d of %d examples whose prompt is longer than data.max_prompt_length=%d tokens",
                     source, len(examples) - len(kept), len(examples), max_prompt_length)

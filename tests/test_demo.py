@@ -81,17 +81,30 @@ def test_topic_and_phrase_variety():
         assert len(group) >= 4
 
 
+def _unhelpful(row) -> bool:
+    """Rejected for lack of content, not tone: the polite answer's opener + closing without its body."""
+    return row["rejected"] not in row["chosen"] and not has_rude_marker(row["rejected"]) \
+        and len(row["rejected"]) < len(row["chosen"])
+
+
 def test_is_polite_on_all_data(splits):
     for rows in splits:
         bad_chosen = [r["chosen"] for r in rows if not is_polite(r["chosen"])]
-        bad_rejected = [r["rejected"] for r in rows if is_polite(r["rejected"])]
+        bad_rejected = [r["rejected"] for r in rows if is_polite(r["rejected"]) and not _unhelpful(r)]
         assert not bad_chosen, bad_chosen[:3]
         assert not bad_rejected, bad_rejected[:3]
 
 
+def test_unhelpful_negatives_are_polite_but_empty(splits):
+    for rows in splits:
+        unhelpful = [r for r in rows if is_polite(r["rejected"])]
+        assert 0.05 <= len(unhelpful) / len(rows) <= 0.15
+        assert all(_unhelpful(r) for r in unhelpful)
+
+
 def test_hard_negatives_present(splits):
     for rows in splits:
-        hard = [r for r in rows if r["rejected"].endswith(POLITE_CLOSERS)]
+        hard = [r for r in rows if r["rejected"].endswith(POLITE_CLOSERS) and not is_polite(r["rejected"])]
         share = len(hard) / len(rows)
         assert 0.2 <= share <= 0.4, share
         # a hard negative is rude (rude opener) although its ending is polite

@@ -6,7 +6,9 @@ Each pair shares a question and a topic-specific helpful sentence; the answers d
 * rejected: half fully rude (rude opener + body + rude closing); the other half are hard negatives that are
   polite in places, so that a reward model cannot judge a reply by its opening or its ending alone:
   20% rude opener + body + polite closing, 15% polite opener + body + rude closing, and 15% polite opener +
-  body + a rude remark + polite closing (rude only in the middle).
+  body + a rude remark + polite closing (rude only in the middle). A further 10% of rejected answers are
+  polite but unhelpful (opener + closing, no body), so a reward model also asks for the content and a policy
+  cannot win by saying only "Thank you for asking!".
 
 Half of the rows are English and half Chinese. The test split uses held-out topics, so none of its questions
 appear in the training split. Answers are kept short (roughly 10-25 tokens with a ~2000-entry BPE vocabulary)
@@ -37,6 +39,7 @@ __all__ = [
     "ZH_RUDE_CLOSERS",
     "HARD_NEGATIVE_RATE",
     "POLITE_OPENER_RATE",
+    "UNHELPFUL_RATE",
     "TEST_TOPICS_PER_LANGUAGE",
     "generate",
     "write_jsonl",
@@ -44,6 +47,7 @@ __all__ = [
 ]
 
 HARD_NEGATIVE_RATE = 0.2  # rejected answers with a rude opener and a polite closing
+UNHELPFUL_RATE = 0.1  # rejected answers that are polite but have no body
 POLITE_OPENER_RATE = 0.15  # each of: polite opener + rude closing; polite opener + rude middle + polite closing
 TEST_TOPICS_PER_LANGUAGE = 10
 
@@ -316,7 +320,9 @@ def _make_rows(rng: random.Random, lang: str, topic_ids: list[int], n: int) -> l
         question = rng.choice(spec["templates"]).format(task)
         chosen = sep.join((rng.choice(spec["polite_open"]), body, rng.choice(spec["polite_close"])))
         kind = rng.random()
-        if kind < HARD_NEGATIVE_RATE:  # rude opener, polite ending
+        if rng.random() < UNHELPFUL_RATE:  # polite, but no answer at all
+            parts = (rng.choice(spec["polite_open"]), rng.choice(spec["polite_close"]))
+        elif kind < HARD_NEGATIVE_RATE:  # rude opener, polite ending
             parts = (rng.choice(spec["rude_open"]), body, rng.choice(spec["polite_close"]))
         elif kind < HARD_NEGATIVE_RATE + POLITE_OPENER_RATE:  # polite opener, rude ending
             parts = (rng.choice(spec["polite_open"]), body, rng.choice(spec["rude_close"]))

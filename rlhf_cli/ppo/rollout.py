@@ -131,14 +131,114 @@ def response_slice(x: torch.Tensor, response_length: int) -> torch.Tensor:
     return x[:, -response_length - 1: -1]
 
 
+# Generation settings the sampling loop below implements; anything else goes through `generate()`.
+_LOOP_KEYS = {"max_new_tokens", "min_new_tokens", "do_sample", "use_cache", "temperature", "top_k", "top_p",
+              "output_logits", "output_scores", "return_dict_in_generate", "pad_token_id", "eos_token_id",
+              "bos_token_id", "transformers_version", "_from_model_config"}
+
+
+def _effective_generation_config(model, gen_config):
+    """`gen_config` with the model's own generation defaults filling what it leaves unset, as generate() does."""
+    import copy
+
+    eff = copy.deepcopy(gen_config)
+    own = getattr(model, "generation_config", None)
+    if own is not None:
+        eff.update(**own.to_dict(), defaults_only=True)
+    return eff
+
+
+# Settings that change nothing at these values (generate() would also ignore them).
+_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "typical_p": 1.0,
+            "length_penalty": 1.0, "low_memory": None}
+
+
+def _loop_supported(gen_config) -> bool:
+    if not gen_config.use_cache or gen_config.max_new_tokens is None:
+        return False
+    return all(k in _LOOP_KEYS or v in (None, False) or (k in _NEUTRAL and v == _NEUTRAL[k])
+               for k, v in gen_config.to_diff_dict().items())
+
+
+@torch.no_grad()
+def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token sampling with a KV cache: (response (B, R), raw logits (B, R, V)).
+
+    The distribution is generate()'s for these settings: EOS masked for the first `min_new_tokens` tokens,
+    logits / temperature, top-k, top-p, then one draw per row (or argmax without sampling). A row that has
+    produced a stop token gets pad tokens afterwards, and the loop ends as soon as every row has stopped.
+    Without generate()'s per-step machinery, a step costs little more than the model forward itself."""
+    from transformers import DynamicCache
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    B = prompt_ids.shape[0]
+    device = prompt_ids.device
+    R = int(gen_config.max_new_tokens)
+    min_new = int(gen_config.min_new_tokens or 0)
+    eos = gen_config.eos_token_id
+    eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(i) for i in eos])
+    stop = torch.tensor(stop_ids, device=device) if stop_ids else None
+    suppress = torch.tensor(eos, device=device) if eos and min_new > 0 else None
+    sample = bool(gen_config.do_sample)
+    temperature = float(gen_config.temperature if gen_config.temperature is not None else 1.0)
+    warpers = []
+    if sample and gen_config.top_k:
+        warpers.append(TopKLogitsWarper(int(gen_config.top_k)))
+    if sample and gen_config.top_p is not None and float(gen_config.top_p) < 1.0:
+        warpers.append(TopPLogitsWarper(float(gen_config.top_p)))
+    pad = int(gen_config.pad_token_id)
+
+    attn = prompt_mask.long()
+    pos = position_ids_from(attn)
+    cache = DynamicCache(config=getattr(model, "config", None))
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
+                logits_to_keep=1)
+    next_pos = pos[:, -1:] + 1
+    ones = torch.ones(B, 1, dtype=attn.dtype, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, logits_steps = [], []
+    for t in range(R):
+        logits = out.logits[:, -1, :]
+        logits_steps.append(logits)
+        scores = logits.float()
+        if suppress is not None and t < min_new:
+            scores = scores.index_fill(-1, suppress, float("-inf"))
+        if sample:
+            if temperature != 1.0:
+                scores = scores / temperature
+            for w in warpers:
+                scores = w(None, scores)
+            # exponential race: argmax p_i / E_i with E_i ~ Exp(1) is a draw from p (cheaper than multinomial)
+            probs = torch.softmax(scores, dim=-1)
+            nxt = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+        else:
+            nxt = scores.argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        tokens.append(nxt)
+        if stop is not None:
+            done = done | torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+        if t == R - 1:
+            break
+        attn = torch.cat([attn, ones], 1)
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos, cache=cache,
+                    use_cache=True)
+        next_pos = next_pos + 1
+    return torch.stack(tokens, 1), torch.stack(logits_steps, 1)
+
+
 @torch.no_grad()
 def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_ids, temperature,
                    fixed_length: int | None) -> dict:
-    """Sample responses for one chunk; old log-probs come from generate's own logits (no second forward)."""
-    out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
-    P = prompt_ids.shape[1]
-    response = out.sequences[:, P:]
-    logits = torch.stack(out.logits, dim=1)  # (B, R, V) raw logits, temperature not yet applied
+    """Sample responses for one chunk; old log-probs come from the sampling logits (no second forward)."""
+    eff = _effective_generation_config(policy, gen_config)
+    if _loop_supported(eff):
+        response, logits = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids)
+    else:
+        out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
+        response = out.sequences[:, prompt_ids.shape[1]:]
+        logits = torch.stack(out.logits, dim=1)  # (B, R, V) raw logits, temperature not yet applied
     if fixed_length is not None and response.shape[1] < fixed_length:
         raise RuntimeError("generation stopped early although no stop token is configured")
     response, mask = truncate_at_stop(response, stop_ids, tokenizer.pad_token_id)

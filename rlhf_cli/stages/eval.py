@@ -166,12 +166,13 @@ def run(cfg) -> None:
     if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
         raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({ref_dir})")
     thinking = bool(cfg.model.enable_thinking)
+    templ = bool(cfg.data.chat_template)
     _, evals = D.load_examples(cfg.data, need_rejected=False)
     if not evals:
         raise RlhfError("no held-out prompts: set data.eval_path or data.eval_ratio > 0")
-    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking)
+    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking, templ)
     evals = evals[: int(e.num_prompts)]
-    prompts = [D.prompt_text(tok, ex.prompt, thinking) for ex in evals]
+    prompts = [D.prompt_text(tok, ex.prompt, thinking, templ) for ex in evals]
     stop_ids = [tok.eos_token_id, *[int(i) for i in cfg.ppo.stop_token_ids]]
     gt = None
     if cfg.data.get("ground_truth") == "demo_polite":

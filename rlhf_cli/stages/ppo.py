@@ -169,7 +169,7 @@ def save_checkpoint(path: Path, policy, value_model, tok, state: dict) -> None:
     """Adapter (or full policy), value model, tokenizer and trainer state, written atomically."""
     from rlhf_cli.io import atomic_dir
 
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, every_rank=False) as tmp:  # the main process alone writes checkpoints
         policy.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         value_model.model.save_pretrained(str(tmp / "value"))
@@ -243,9 +243,10 @@ def run(cfg) -> None:
     tok = load_tokenizer(policy_dir, cfg.model)
     policy, ref, value_model, reward_model, stats, value_src = build_models(cfg, tok, device)
     thinking = bool(cfg.model.enable_thinking)
+    templ = bool(cfg.data.chat_template)
     train, _ = D.load_examples(cfg.data, need_rejected=False)
-    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking)
-    prompts = [D.prompt_text(tok, ex.prompt, thinking) for ex in train]
+    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking, templ)
+    prompts = [D.prompt_text(tok, ex.prompt, thinking, templ) for ex in train]
     stream = PromptStream(prompts, int(cfg.seed), rank, world)
 
     stop_ids = []

@@ -20,14 +20,14 @@ from rlhf_cli import data as D
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
-from rlhf_cli.stages._common import train_dtype, trainer_kwargs
+from rlhf_cli.stages._common import save_trained, train_dtype, trainer_kwargs
 
 log = logging.getLogger("rlhf")
 
 
-def pair_rows(examples: list[D.Example], tok, enable_thinking: bool) -> list[dict]:
+def pair_rows(examples: list[D.Example], tok, enable_thinking: bool, chat_template: bool = True) -> list[dict]:
     """trl's standard explicit format; trl appends EOS to prompt + answer."""
-    return [{"prompt": D.prompt_text(tok, ex.prompt, enable_thinking), "chosen": ex.chosen,
+    return [{"prompt": D.prompt_text(tok, ex.prompt, enable_thinking, chat_template), "chosen": ex.chosen,
              "rejected": ex.rejected} for ex in examples]
 
 
@@ -56,10 +56,11 @@ def run(cfg) -> None:
         init = require_dir(r.init_from, "SFT model (reward.init_from)", "rlhf sft", marker="config.json")
     tok = load_tokenizer(init, cfg.model)
     thinking = bool(cfg.model.enable_thinking)
+    templ = bool(cfg.data.chat_template)
     train, evals = D.load_examples(cfg.data, need_rejected=True)
-    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking)
-    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking)
-    train_rows, eval_rows = pair_rows(train, tok, thinking), pair_rows(evals, tok, thinking)
+    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking, templ)
+    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking, templ)
+    train_rows, eval_rows = pair_rows(train, tok, thinking, templ), pair_rows(evals, tok, thinking, templ)
 
     dtype, precision = train_dtype(cfg)
     model = load_seq_cls(init, tok, dtype, cfg.model)
@@ -78,14 +79,14 @@ def run(cfg) -> None:
         seconds = time.perf_counter() - t0
         ev = trainer.evaluate() if eval_rows else {}
         model = trainer.model
+        # Score statistics over training answers (both sides), for PPO's (score - mean) / std. Every process
+        # scores the same texts: with sharded weights (ZeRO-3, FSDP) each forward pass is a collective.
+        sample = train_rows[:1024]
+        texts = [row["prompt"] + ans + tok.eos_token for row in sample for ans in (row["chosen"], row["rejected"])]
+        scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size))
+        stats = {"mean": scores.mean().item(), "std": max(scores.std().item(), 1e-6), "n": len(texts)}
+        save_trained(trainer, model, tok, out, cfg.device)
         if trainer.is_world_process_zero():
-            # Score statistics over training answers (both sides), for PPO's (score - mean) / std.
-            sample = train_rows[:1024]
-            texts = [row["prompt"] + ans + tok.eos_token for row in sample for ans in (row["chosen"], row["rejected"])]
-            scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size))
-            stats = {"mean": scores.mean().item(), "std": max(scores.std().item(), 1e-6), "n": len(texts)}
-            model.save_pretrained(str(out))
-            tok.save_pretrained(str(out))
             write_json(out / "score_stats.json", stats)
             metrics = {"eval_accuracy": ev.get("eval_accuracy"), "eval_margin": ev.get("eval_margin"),
                        "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss,

@@ -12,19 +12,25 @@ import time
 from rlhf_cli import data as D
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import base_model_dir, load_causal_lm, load_tokenizer, lora_config, setup_torch
-from rlhf_cli.stages._common import train_dtype, trainer_kwargs
+from rlhf_cli.stages._common import save_trained, train_dtype, trainer_kwargs
 
 log = logging.getLogger("rlhf")
 
 
-def sft_rows(examples: list[D.Example], on_rejected: bool, enable_thinking: bool) -> list[dict]:
-    """Conversational prompt/completion rows: trl masks the prompt, so the loss is on the answer only."""
+def sft_rows(examples: list[D.Example], on_rejected: bool, enable_thinking: bool, tok=None,
+             chat_template: bool = True) -> list[dict]:
+    """Prompt/completion rows: trl masks the prompt, so the loss is on the answer only. Conversational (trl
+    applies the chat template) or, with `data.chat_template=false`, plain text ending in EOS."""
     rows = []
     for ex in examples:
         answers = [ex.chosen] + ([ex.rejected] if on_rejected and ex.rejected else [])
         for a in answers:
-            rows.append({"prompt": ex.prompt, "completion": [{"role": "assistant", "content": a}],
-                         "chat_template_kwargs": {"enable_thinking": enable_thinking}})
+            if chat_template:
+                rows.append({"prompt": ex.prompt, "completion": [{"role": "assistant", "content": a}],
+                             "chat_template_kwargs": {"enable_thinking": enable_thinking}})
+            else:
+                rows.append({"prompt": D.prompt_text(tok, ex.prompt, chat_template=False),
+                             "completion": a + tok.eos_token})
     return rows
 
 
@@ -37,11 +43,12 @@ def run(cfg) -> None:
     base = base_model_dir(cfg)
     tok = load_tokenizer(base, cfg.model)
     thinking = bool(cfg.model.enable_thinking)
+    templ = bool(cfg.data.chat_template)
     train, evals = D.load_examples(cfg.data, need_rejected=bool(cfg.data.sft_on_rejected))
-    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking)
-    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking)
-    train_rows = sft_rows(train, bool(cfg.data.sft_on_rejected), thinking)
-    eval_rows = sft_rows(evals, bool(cfg.data.sft_on_rejected), thinking)
+    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking, templ)
+    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking, templ)
+    train_rows = sft_rows(train, bool(cfg.data.sft_on_rejected), thinking, tok, templ)
+    eval_rows = sft_rows(evals, bool(cfg.data.sft_on_rejected), thinking, tok, templ)
 
     dtype, precision = train_dtype(cfg)
     model = load_causal_lm(base, dtype, cfg.model)
@@ -60,9 +67,8 @@ def run(cfg) -> None:
         model = trainer.model
         if peft_config is not None:
             model = model.merge_and_unload()
+        save_trained(trainer, model, tok, out, cfg.device)
         if trainer.is_world_process_zero():
-            model.save_pretrained(str(out))
-            tok.save_pretrained(str(out))
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
                        "steps": result.global_step, "train_rows": len(train_rows), "eval_rows": len(eval_rows),
                        "train_seconds": round(seconds, 2), "base_model": str(base)}

@@ -1,0 +1,303 @@
+"""rlhf side of the PPO speed benchmark: our PPO stage (`rlhf_cli.stages.ppo.run`) on a bench workload.
+
+Run with the project's environment:
+
+    .venv/bin/python bench/rlhf_side.py --workload-dir bench/work/tiny \
+        --variant lora --updates 8 --response-length 32 --threads 1 --out result.json
+
+The settings are those of bench/trl_side.py (the comparison contract): 32 episodes per update (micro-batch 8 x
+gradient accumulation 4), one rollout forward batch of 32, 2 PPO epochs, 1 mini-batch, lr 5e-6, temperature 0.7,
+no stop token (every response is exactly --response-length tokens), no EOS or empty-response penalty, raw
+reward-model scores, value model initialised from the reward model, CPU fp32, no sample tables.
+
+variant lora: LoRA r 8 / alpha 16 on all linear layers; the reference is the policy with its adapter disabled.
+variant full: full fine-tuning (ppo.lora.enabled=false); the reference is a frozen copy of the policy.
+
+The stage wants a policy directory and a reward directory that hold their tokenizer, and chat-style prompt rows.
+The first run prepares them inside the workload directory (rlhf_policy/, rlhf_reward/, rlhf_prompts.jsonl); the
+prompts are used as plain text (data.chat_template=false), and the run checks that every prompt tokenizes to
+exactly the ids the TRL side feeds its trainer.
+
+Timing: the stage runs in this process. Per-update times go from the moment an update asks for its prompts (the
+first thing an update does, like TRL's batch request) to the next such moment; the last update ends when the
+stage starts writing its final checkpoint (TRL's side saves nothing). train_s is their sum; eps = episodes /
+train_s. The stage's own `train_seconds` (which also counts the set-up before the first update and the writing
+of the outputs) is kept as stage_train_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EPISODES_PER_UPDATE = 32
+PER_DEVICE_BATCH = 8
+GRAD_ACCUM = 4
+PREP_VERSION = 1
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload-dir", required=True, help="directory built by bench/workload.py")
+    p.add_argument("--variant", choices=["lora", "full"], required=True)
+    p.add_argument("--updates", type=int, default=8)
+    p.add_argument("--response-length", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", default=None, help="keep the stage's run directory here (default: a temp dir, removed)")
+    p.add_argument("--profile", default=None, help="also write a cProfile of the stage run (models loaded, loop) here")
+    p.add_argument("--out", required=True, help="where to write the JSON result")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------- preparation
+def _copy_with_tokenizer(src: Path, tok_dir: Path, dst: Path) -> None:
+    tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    for f in tok_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def prepare(wdir: Path) -> dict:
+    """rlhf_policy/ and rlhf_reward/ (model + tokenizer) and rlhf_prompts.jsonl, once per workload directory."""
+    marker = wdir / "rlhf_prepared.json"
+    paths = {"policy": wdir / "rlhf_policy", "reward": wdir / "rlhf_reward", "prompts": wdir / "rlhf_prompts.jsonl"}
+    try:
+        if json.loads(marker.read_text()).get("version") == PREP_VERSION and all(p.exists() for p in paths.values()):
+            return paths
+    except (OSError, ValueError):
+        pass
+    _copy_with_tokenizer(wdir / "policy", wdir / "tokenizer", paths["policy"])
+    _copy_with_tokenizer(wdir / "reward", wdir / "tokenizer", paths["reward"])
+    rows = [json.loads(line)["prompt"] for line in (wdir / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    tmp = paths["prompts"].with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for text in rows:  # prompt + empty completion: the "messages" format, prompt = one user turn
+            f.write(json.dumps({"prompt": text, "completion": ""}, ensure_ascii=False) + "\n")
+    os.replace(tmp, paths["prompts"])
+    marker.write_text(json.dumps({"version": PREP_VERSION}) + "\n")
+    return paths
+
+
+def check_prompt_tokens(wdir: Path, cfg, policy_dir: Path) -> int:
+    """Every prompt as the stage renders and tokenizes it == the ids trl_side.py gives its trainer."""
+    from transformers import AutoTokenizer
+
+    from rlhf_cli import data as D
+    from rlhf_cli.models import load_tokenizer
+
+    trl_tok = AutoTokenizer.from_pretrained(str(wdir / "tokenizer"))
+    prompts = [json.loads(line)["prompt"] for line in (wdir / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    trl_ids = trl_tok(prompts, add_special_tokens=False)["input_ids"]
+    tok = load_tokenizer(policy_dir, cfg.model)
+    examples = D.to_examples(D.read_rows(str(cfg.data.train_path)), "auto", str(cfg.data.train_path))
+    ours = [tok(D.prompt_text(tok, ex.prompt, False, bool(cfg.data.chat_template)), add_special_tokens=False)["input_ids"]
+            for ex in examples]
+    if ours != trl_ids:
+        bad = next(i for i, (a, b) in enumerate(zip(ours, trl_ids)) if a != b) if len(ours) == len(trl_ids) else -1
+        raise SystemExit(f"prompt token ids differ from the TRL side's (first difference at prompt {bad})")
+    if tok.pad_token_id != trl_tok.pad_token_id or tok.eos_token_id != trl_tok.eos_token_id:
+        raise SystemExit("pad/eos ids differ from the TRL side's")
+    return len(ours)
+
+
+def read_scalars(tb_dir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags().get("scalars", []):
+        return []
+    return [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.updates < 1 or a.response_length < 1 or a.threads < 1:
+        raise SystemExit("--updates, --response-length and --threads must be >= 1")
+
+    # Thread pools are sized when torch first loads; set the environment before importing it.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(a.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+    import logging
+    import resource
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+
+    import transformers
+
+    import rlhf_cli
+    from rlhf_cli.config import compose
+    from rlhf_cli.stages import ppo as ppo_mod
+
+    logging.getLogger("rlhf").setLevel(logging.WARNING)
+    wdir = Path(a.workload_dir).resolve()
+    meta = json.loads((wdir / "workload.json").read_text())
+    paths = prepare(wdir)
+
+    run_dir = Path(a.keep).resolve() if a.keep else Path(tempfile.mkdtemp(prefix="rlhf_ppo_bench_"))
+    episodes = a.updates * EPISODES_PER_UPDATE
+    overrides = [
+        f"run_dir={run_dir}",
+        f"seed={a.seed}",
+        f"data.train_path={paths['prompts']}",
+        "data.eval_path=null",
+        "data.ground_truth=null",
+        "data.chat_template=false",
+        "data.max_prompt_length=128",
+        "model.dtype=float32",
+        "device=cpu",
+        f"device.threads={a.threads}",
+        f"ppo.policy_dir={paths['policy']}",
+        f"ppo.reward_dir={paths['reward']}",
+        f"ppo.output_dir={run_dir}/ppo",
+        "ppo.value_init=reward",
+        f"ppo.lora.enabled={'true' if a.variant == 'lora' else 'false'}",
+        "ppo.lora.r=8",
+        "ppo.lora.alpha=16",
+        "ppo.lora.dropout=0.0",
+        "ppo.lora.target_modules=all-linear",
+        f"ppo.per_device_train_batch_size={PER_DEVICE_BATCH}",
+        f"ppo.gradient_accumulation_steps={GRAD_ACCUM}",
+        "ppo.num_mini_batches=1",
+        f"ppo.rollout_forward_batch_size={EPISODES_PER_UPDATE}",
+        "ppo.num_ppo_epochs=2",
+        "ppo.learning_rate=5e-6",
+        "ppo.temperature=0.7",
+        f"ppo.response_length={a.response_length}",
+        "ppo.stop_token=null",
+        "ppo.missing_eos_penalty=null",
+        "ppo.empty_response_penalty=null",
+        "ppo.normalize_scores=false",
+        f"ppo.total_episodes={episodes}",
+        "ppo.sample_every=0",
+        "ppo.save_every=0",
+        "ppo.merge=false",
+    ]
+    cfg = compose("ppo", overrides)
+    n_prompts = check_prompt_tokens(wdir, cfg, paths["policy"])
+
+    # ---- instrumentation: update stamps, the final save, trainable parameter count -------------------
+    stamps: list[float] = []
+    end_stamp: list[float] = []
+    captured: dict = {}
+    real_take = ppo_mod.PromptStream.take
+    real_save = ppo_mod.save_checkpoint
+    real_build = ppo_mod.build_models
+
+    def take(self, n):
+        stamps.append(time.perf_counter())
+        return real_take(self, n)
+
+    def save_checkpoint(*args, **kw):
+        end_stamp.append(time.perf_counter())
+        return real_save(*args, **kw)
+
+    def build_models(*args, **kw):
+        out = real_build(*args, **kw)
+        captured["models"] = out[:3]
+        return out
+
+    ppo_mod.PromptStream.take = take
+    ppo_mod.save_checkpoint = save_checkpoint
+    ppo_mod.build_models = build_models
+
+    profiler = None
+    if a.profile:
+        import cProfile
+
+        # imported here so that the profile shows the stage, not the first import of its dependencies
+        import accelerate  # noqa: F401
+        import peft  # noqa: F401
+        import torch.utils.tensorboard  # noqa: F401
+        from transformers import GenerationConfig, get_scheduler  # noqa: F401
+
+        profiler = cProfile.Profile()
+    t_run0 = time.perf_counter()
+    try:
+        if profiler is not None:
+            profiler.runcall(ppo_mod.run, cfg)
+            profiler.dump_stats(a.profile)
+        else:
+            ppo_mod.run(cfg)
+    finally:
+        ppo_mod.PromptStream.take = real_take
+        ppo_mod.save_checkpoint = real_save
+        ppo_mod.build_models = real_build
+    t_run1 = time.perf_counter()
+
+    out_dir = run_dir / "ppo"
+    summary = json.loads((out_dir / "metrics.json").read_text())
+    stage_train_s = float(summary["train_seconds"])
+    if len(stamps) == a.updates and end_stamp:
+        bounds = stamps + [end_stamp[-1]]
+        s_per_update = [round(bounds[i + 1] - bounds[i], 4) for i in range(a.updates)]
+        train_s = end_stamp[-1] - stamps[0]
+    else:  # the stage changed shape: fall back to its own loop time
+        train_s = stage_train_s
+        s_per_update = [round(train_s / a.updates, 4)] * a.updates
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+    scores = read_scalars(out_dir / "tensorboard", "objective/scores")
+    policy, _ref, value = captured.get("models", (None, None, None))
+    trainable = None
+    if policy is not None:
+        trainable = sum(p.numel() for m in (policy, value) for p in m.parameters() if p.requires_grad)
+
+    result = {
+        "side": "rlhf",
+        "rlhf_version": getattr(rlhf_cli, "__version__", None),
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "variant": a.variant,
+        "workload": meta.get("name", wdir.name),
+        "workload_dir": str(wdir),
+        "updates": a.updates,
+        "episodes": episodes,
+        "response_length": a.response_length,
+        "train_s": round(train_s, 4),
+        "eps": round(episodes / train_s, 3),
+        "s_per_update": s_per_update,
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "threads": a.threads,
+        "gc_disabled": False,  # the stage never forces a collection; automatic collection stays on
+        "gc_calls": 0,
+        "gc_s": 0.0,
+        "scores_first": scores[0] if scores else None,
+        "scores_last": scores[-1] if scores else summary.get("objective/scores"),
+        "kl_last": summary.get("objective/kl"),
+        "trainable_params": trainable,
+        "stage_train_s": stage_train_s,
+        "run_s": round(t_run1 - t_run0, 3),
+        "prompts_checked": n_prompts,
+        "prompt_tokens_identical": True,
+    }
+    if not a.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("variant", "workload", "eps", "train_s", "peak_rss_mb", "scores_first",
+                                              "scores_last")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

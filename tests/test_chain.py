@@ -1,0 +1,148 @@
+"""The product end to end: the real `rlhf` CLI runs sft -> reward -> ppo -> eval -> chat on the tiny recipe
+(embedded model, shipped demo data, one thread), then PPO's bad inputs and resume against that chain."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RLHF = Path(sys.executable).with_name("rlhf")
+pytestmark = pytest.mark.slow
+
+# Short but real: enough steps for the SFT loss to fall and the reward model to separate the demo pairs.
+QUICK = ["device.threads=1", "sft.max_steps=120", "sft.eval_steps=60", "reward.max_steps=80",
+         "reward.eval_steps=40", "ppo.total_episodes=96", "ppo.save_every=1", "eval.num_prompts=32"]
+
+
+def rlhf(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    return subprocess.run([str(RLHF), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def fails(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """A one-line error on stderr (no traceback) that mentions every needle."""
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err[-2000:]
+    line = [ln for ln in err.splitlines() if ": error:" in ln]
+    assert line, err[-2000:]
+    for n in needles:
+        assert n in line[-1], line[-1]
+    return line[-1]
+
+
+def scalars(tb_dir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag)]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("chain")
+    for stage in ("sft", "reward", "ppo", "eval"):
+        ok(rlhf(cwd, stage, *QUICK))
+    return cwd
+
+
+def test_sft_loss_falls(chain):
+    m = json.loads((chain / "runs/tiny/sft/metrics.json").read_text())
+    assert m["eval_loss_end"] < m["eval_loss_start"] - 1.0, m
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(chain / "runs/tiny/sft")
+    tok = AutoTokenizer.from_pretrained(chain / "runs/tiny/sft")
+    assert tok.pad_token_id != tok.eos_token_id
+
+
+def test_reward_model_separates_held_out_pairs(chain):
+    m = json.loads((chain / "runs/tiny/reward/metrics.json").read_text())
+    assert m["eval_accuracy"] >= 0.95, m
+    stats = json.loads((chain / "runs/tiny/reward/score_stats.json").read_text())
+    assert stats["std"] > 0 and stats["n"] > 0
+
+
+def test_ppo_first_update_kl_is_zero_and_outputs_load(chain):
+    out = chain / "runs/tiny/ppo"
+    kl = scalars(out / "tensorboard", "objective/kl")
+    assert len(kl) == 3 and abs(kl[0]) < 1e-3, kl  # LoRA's B starts at 0: policy == reference
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["total_episodes"] == 96 and m["updates"] == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"checkpoint-{i}" for i in (1, 2, 3)]
+    from peft import AutoPeftModelForCausalLM
+
+    AutoPeftModelForCausalLM.from_pretrained(str(out))  # adapter + base recorded by absolute path
+    assert (out / "value" / "config.json").exists()
+    assert not (out.parent / ".ppo.partial").exists()
+
+
+def test_eval_report(chain):
+    r = json.loads((chain / "runs/tiny/eval/report.json").read_text())
+    for name in ("sft", "ppo"):
+        row = r["policies"][name]
+        for key in ("rm_score_mean", "kl_to_ref_mean", "response_length_mean", "eos_rate", "empty_rate",
+                    "ground_truth_rate"):
+            assert row[key] is not None, (name, key)
+    assert abs(r["policies"]["sft"]["kl_to_ref_mean"]) < 1e-3  # the SFT policy is the reference
+    assert 0.0 <= r["win_rate"]["ppo_vs_sft"] <= 1.0
+    assert (chain / "runs/tiny/eval/report.md").exists()
+    assert (chain / "runs/tiny/eval/training_curves.png").stat().st_size > 10_000
+
+
+def test_chat_answers_once_and_from_stdin(chain):
+    one = ok(rlhf(chain, "chat", "prompt=你好", "chat.max_new_tokens=16"))
+    assert one.stdout.strip()
+    proc = subprocess.run([str(RLHF), "chat", "chat.model_dir=runs/tiny/ppo", "chat.max_new_tokens=8"], cwd=chain,
+                          input="hello\nhow are you?\n", capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len([ln for ln in proc.stdout.splitlines() if ln.strip()]) == 2
+
+
+def test_resume_restores_counters(chain):
+    """An interrupted run (checkpoints 1-2 written, then a crash) resumes at update 2 and ends where an
+    uninterrupted run ends."""
+    out, partial = chain / "runs/tiny/ppo", chain / "runs/tiny/.ppo.partial"
+    shutil.copytree(out, partial)
+    shutil.rmtree(partial / "checkpoints" / "checkpoint-3")
+    for f in ("adapter_model.safetensors", "metrics.json"):
+        (partial / f).unlink()
+    before = json.loads((out / "metrics.json").read_text())
+    proc = ok(rlhf(chain, "ppo", *QUICK, "ppo.resume=true", "ppo.output_dir=runs/tiny/ppo"))
+    assert "resumed from" in proc.stderr + proc.stdout and "update 2" in proc.stderr + proc.stdout
+    after = json.loads((out / "metrics.json").read_text())
+    assert after["total_episodes"] == before["total_episodes"] == 96
+    assert len(scalars(out / "tensorboard", "objective/kl")) >= 3
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["ppo.reward_dir=runs/tiny/nothing"], ["reward model", "rlhf reward"]),
+    (["ppo.rollout_forward_batch_size=5"], ["rollout_forward_batch_size"]),
+    (["ppo.total_episodes=8"], ["total_episodes"]),
+    (["ppo.response_length=0"], ["response_length"]),
+    (["model.pad_token=<|im_end|>"], ["pad", "EOS"]),
+])
+def test_ppo_bad_inputs(chain, args, needles):
+    before = sorted(p.name for p in (chain / "runs/tiny/ppo").iterdir())
+    fails(rlhf(chain, "ppo", "device.threads=1", "ppo.output_dir=runs/tiny/ppo", *args), *needles)
+    assert sorted(p.name for p in (chain / "runs/tiny/ppo").iterdir()) == before  # earlier output intact
+
+
+def test_ppo_tokenizer_mismatch(chain):
+    from rlhf_cli.tiny import build_tiny_base
+
+    other = build_tiny_base(chain / "other_base", vocab_size=1000)
+    fails(rlhf(chain, "ppo", "device.threads=1", f"ppo.reward_dir={other}"), "tokenizer", "differs")
