@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     # ---- instrumentation: update stamps, the final save, trainable parameter count -------------------
     stamps: list[float] = []
     end_stamp: list[float] = []
+    cpu_stamps: list[float] = []
     captured: dict = {}
     real_take = ppo_mod.PromptStream.take
     real_save = ppo_mod.save_checkpoint
@@ -205,10 +206,12 @@ def main(argv=None) -> int:
 
     def take(self, n):
         stamps.append(time.perf_counter())
+        cpu_stamps.append(time.process_time())
         return real_take(self, n)
 
     def save_checkpoint(*args, **kw):
         end_stamp.append(time.perf_counter())
+        cpu_stamps.append(time.process_time())
         return real_save(*args, **kw)
 
     def build_models(*args, **kw):
@@ -277,6 +280,7 @@ def main(argv=None) -> int:
         "eps": round(episodes / train_s, 3),
         "s_per_update": s_per_update,
         "peak_rss_mb": round(peak_rss_mb, 1),
+        "cpu_s": round(cpu_stamps[-1] - cpu_stamps[0], 4) if len(cpu_stamps) > 1 else None,
         "threads": a.threads,
         "gc_disabled": False,  # the stage never forces a collection; automatic collection stays on
         "gc_calls": 0,

@@ -207,9 +207,11 @@ def main(argv=None) -> int:
 
     trainer.dataloader = StampedLoader(trainer.dataloader)
 
+    c0 = time.process_time()
     t0 = time.perf_counter()
     trainer.train()
     t1 = time.perf_counter()
+    cpu_s = time.process_time() - c0
     train_s = t1 - t0
 
     stamps = batch_times[: a.updates] + [t1]
@@ -237,6 +239,7 @@ def main(argv=None) -> int:
         "eps": round(episodes / train_s, 3),
         "s_per_update": s_per_update,
         "peak_rss_mb": round(peak_rss_mb, 1),
+        "cpu_s": round(cpu_s, 4),  # process CPU time over train(): less sensitive than train_s to a busy machine
         "threads": a.threads,
         "gc_disabled": bool(a.no_gc),
         "gc_calls": None if a.no_gc else gc_stats["calls"],

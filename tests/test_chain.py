@@ -112,6 +112,15 @@ def test_chat_answers_once_and_from_stdin(chain):
     assert len([ln for ln in proc.stdout.splitlines() if ln.strip()]) == 2
 
 
+def test_export_writes_a_plain_merged_model(chain):
+    ok(rlhf(chain, "export", "device.threads=1"))
+    from transformers import AutoModelForCausalLM
+
+    merged = chain / "runs/tiny/ppo/merged"
+    assert not (merged / "adapter_config.json").exists()
+    AutoModelForCausalLM.from_pretrained(merged)
+
+
 def test_resume_restores_counters(chain):
     """An interrupted run (checkpoints 1-2 written, then a crash) resumes at update 2 and ends where an
     uninterrupted run ends."""

@@ -31,6 +31,7 @@ __all__ = [
     "gae",
     "kl_penalty",
     "last_token_index",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
@@ -75,6 +76,25 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """
     z = _scaled_float(logits, temperature)
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``logprobs_from_logits`` and (detached) ``entropy_from_logits`` sharing one logsumexp.
+
+    Shapes: logits (B, T, V), tokens (B, T) -> (B, T), (B, T). The log-probs carry gradients as
+    ``logprobs_from_logits``'s do; the entropy is a statistic (no gradient). Same formulas as the two functions.
+    """
+    if logits.dtype not in (torch.float32, torch.float64):
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), temperature)
+        return logprobs_from_logits(logits, tokens, temperature), entropy
+    z = logits if temperature == 1.0 else logits / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        zd, lsed = z.detach(), lse.detach()
+        entropy = lsed - (torch.exp(zd - lsed.unsqueeze(-1)) * zd).sum(dim=-1)
+    return logprobs, entropy
 
 
 # --------------------------------------------------------------------------- masked statistics

@@ -11,6 +11,7 @@ from positions P-1 … P+R-2, and the reward model's score from the last valid r
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -160,6 +161,56 @@ def _loop_supported(gen_config) -> bool:
                for k, v in gen_config.to_diff_dict().items())
 
 
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row from categorical `probs` (B, V) by inverting the CDF: the first index whose cumulative
+    probability exceeds u·total, u ~ U[0, 1). Same distribution as torch.multinomial(probs, 1), whose CPU kernel
+    spends ~1 ms per call on drawing V exponential variates; a token with probability 0 is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+@contextlib.contextmanager
+def lora_merged(model):
+    """Inference with a PEFT LoRA policy at the cost of its base model: every LoRA linear layer temporarily gets
+    the merged weight W + scale·B·A as its base weight, and the adapter path is switched off. The original
+    weight tensors are put back afterwards (never W + ΔW − ΔW), so the reference model (adapter disabled) does
+    not drift. Models without plain LoRA linear layers are used as they are."""
+    layers = []
+    if hasattr(model, "peft_config") and hasattr(model, "disable_adapter"):
+        try:
+            from peft.tuners.lora.layer import Linear as LoraLinear
+            from peft.tuners.lora.layer import LoraLayer
+        except ImportError:  # pragma: no cover - peft without LoRA
+            LoraLinear = LoraLayer = None
+        if LoraLayer is not None:
+            layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+            plain = all(type(m) is LoraLinear and isinstance(m.base_layer, nn.Linear) and not m.merged
+                        and not any(a in getattr(m, "lora_variant", {}) for a in m.active_adapters)
+                        for m in layers)
+            if not plain:
+                layers = []
+    if not layers:
+        yield model
+        return
+    saved = []
+    try:
+        with torch.no_grad():
+            for m in layers:
+                w = m.base_layer.weight
+                merged = w.detach().clone()
+                for a in m.active_adapters:
+                    if a in m.lora_A.keys():
+                        merged += m.get_delta_weight(a).to(merged.dtype)
+                saved.append((m, w))
+                m.base_layer._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
+        with model.disable_adapter():
+            yield model
+    finally:
+        for m, w in saved:
+            m.base_layer._parameters["weight"] = w
+
+
 @torch.no_grad()
 def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token sampling with a KV cache: (response (B, R), raw logits (B, R, V)).
@@ -208,9 +259,7 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[t
                 scores = scores / temperature
             for w in warpers:
                 scores = w(None, scores)
-            # exponential race: argmax p_i / E_i with E_i ~ Exp(1) is a draw from p (cheaper than multinomial)
-            probs = torch.softmax(scores, dim=-1)
-            nxt = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+            nxt = _draw(torch.softmax(scores, dim=-1))
         else:
             nxt = scores.argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
@@ -234,7 +283,8 @@ def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_
     """Sample responses for one chunk; old log-probs come from the sampling logits (no second forward)."""
     eff = _effective_generation_config(policy, gen_config)
     if _loop_supported(eff):
-        response, logits = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids)
+        with lora_merged(policy):
+            response, logits = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids)
     else:
         out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
         response = out.sequences[:, prompt_ids.shape[1]:]
@@ -242,6 +292,5 @@ def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_
     if fixed_length is not None and response.shape[1] < fixed_length:
         raise RuntimeError("generation stopped early although no stop token is configured")
     response, mask = truncate_at_stop(response, stop_ids, tokenizer.pad_token_id)
-    logprobs = core.logprobs_from_logits(logits, response, temperature)
-    entropy = core.entropy_from_logits(logits, temperature)
+    logprobs, entropy = core.logprobs_and_entropy(logits, response, temperature)
     return {"response": response, "mask": mask, "logprobs": logprobs, "entropy": entropy}

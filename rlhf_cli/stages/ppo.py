@@ -382,15 +382,15 @@ def run(cfg) -> None:
                         ids, am, pos = batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx]
                         m = mask[idx]
                         logits = policy_logits(policy, ids, am, pos, R)
-                        new_logprobs = core.logprobs_from_logits(logits, batch.response_ids[idx], float(p.temperature))
+                        new_logprobs, tok_entropy = core.logprobs_and_entropy(logits, batch.response_ids[idx],
+                                                                              float(p.temperature))
                         vpred = response_slice(value_model(ids, am, pos), R)
                         pg_loss, pg_stats = core.policy_loss(new_logprobs, batch.logprobs[idx], advantages[idx], m,
                                                              float(p.cliprange))
                         vf_loss, vf_stats = core.value_loss(vpred, batch.values[idx], returns[idx], m,
                                                             float(p.cliprange_value))
                         loss = pg_loss + float(p.vf_coef) * vf_loss
-                        with torch.no_grad():
-                            ent = core.masked_mean(core.entropy_from_logits(logits.detach(), float(p.temperature)), m)
+                        ent = core.masked_mean(tok_entropy, m)
                         if float(p.ent_coef):
                             ent_grad = core.masked_mean(core.entropy_from_logits(logits, float(p.temperature)), m)
                             loss = loss - float(p.ent_coef) * ent_grad

@@ -1,0 +1,69 @@
+"""Peak RSS growth of one `rlhf` stage in this process, for checking the doctor's memory plan.
+
+    python tests/rss_probe.py ppo run_dir=... ppo.total_episodes=64   -> one JSON line on stdout
+
+The baseline is taken after importing what the stage imports (torch, transformers with the Qwen3 model code,
+peft, accelerate, trl for sft/reward, TensorBoard), so the growth counts what the run allocates: models,
+optimizer, activations, generation buffers, plus the allocator's and the libraries' runtime overhead.
+A thread samples the resident set size every 2 ms; `ru_maxrss` (the kernel's high-water mark) checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def main(argv: list[str]) -> None:
+    import psutil
+
+    command, overrides = argv[0], argv[1:]
+    import accelerate  # noqa: F401
+    import peft  # noqa: F401
+    import torch
+    import torch.utils.tensorboard  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
+
+    import rlhf_cli.stages  # noqa: F401
+    from rlhf_cli.config import compose
+
+    if command in ("sft", "reward"):
+        import trl  # noqa: F401
+        from trl import RewardTrainer, SFTTrainer  # noqa: F401
+    import importlib
+
+    stage = importlib.import_module(f"rlhf_cli.stages.{command}")
+    torch.set_num_threads(1)
+    cfg = compose(command, overrides)
+    proc = psutil.Process()
+    baseline = proc.memory_info().rss
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            rss = proc.memory_info().rss
+            if rss > peak[0]:
+                peak[0] = rss
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    stage.run(cfg)
+    done.set()
+    t.join()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"command": command, "baseline_mib": baseline / 2**20, "peak_mib": max(peak[0], maxrss) / 2**20,
+                      "growth_mib": (max(peak[0], maxrss) - baseline) / 2**20, "seconds": time.perf_counter() - t0}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
