@@ -42,9 +42,15 @@ examples:
   rlhf ppo ppo.total_episodes=4096 ppo.kl_coef=0.1
   rlhf sft recipe=qwen3-0.6b data.train_path=pairs.jsonl
   rlhf reward model.hub=hf device=cuda
+  rlhf sft recipe=qwen3-0.6b device=zero2 device.num_processes=4   # 4 GPUs under accelerate + DeepSpeed
+  rlhf ppo device=ddp device.num_processes=8 dry_run=true           # print the multi-GPU launch line
+  rlhf doctor recipe=qwen3-0.6b                                     # versions, devices, hubs, memory plan
   rlhf chat prompt="你好"
   rlhf ppo --cfg job                         # print the composed config and exit
   rlhf sft -m sft.learning_rate=1e-3,3e-4    # Hydra multirun sweep
+
+devices (device=NAME): cpu, cuda, ddp, zero2, zero3, fsdp, cpu-ddp; multi-process ones relaunch `rlhf` under
+`accelerate launch` (multi-node: device.num_machines, device.machine_rank, device.main_process_ip).
 
 Overrides use Hydra's grammar (key=value, +new_key=value, group=option); flags such as --cfg go before them.
 `rlhf <command> --help` lists the config groups and the composed config. debug=true shows full tracebacks.

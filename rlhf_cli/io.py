@@ -61,7 +61,8 @@ def atomic_dir(final: str | Path, *, every_rank: bool = True) -> Iterator[Path]:
 
     every_rank=True: all processes of a distributed run enter the block and get the same path; only the main
     process creates and renames it (it alone should write into it), and the others wait at a barrier until the
-    output is in place. every_rank=False: only the calling process enters (a checkpoint the main process writes).
+    output is in place. every_rank=False: only the calling process enters (e.g. a checkpoint that the main
+    process writes).
     """
     final = Path(final)
     rank, world = process_rank()

@@ -75,17 +75,17 @@ def check_stage_support(cfg) -> None:
         return
     if s == "deepspeed":
         if int(d.zero_stage) not in (1, 2, 3):
-            raise RlhfError(f"device.zero_stage={d.zero_stage} is not a ZeRO stage; use 2 (device=zero2) or 3 "
-                            "(device=zero3)")
+            raise RlhfError(f"device.zero_stage={d.zero_stage} is not a ZeRO stage; use 2 (device=zero2) "
+                            "or 3 (device=zero3)")
         if d.accelerator != "cuda":
             raise RlhfError("DeepSpeed needs GPUs (device.accelerator=cuda); on the CPU use device=cpu-ddp")
     if s in ("deepspeed", "fsdp") and command == "ppo":
         raise RlhfError(
-            f"rlhf ppo runs under ddp, not {d.name} ({s}): the PPO loop prepares the policy and the value model "
-            "with one optimizer, which accelerate's DeepSpeed / FSDP wrappers take one model at a time, and "
-            "sampling with model.generate would need the sharded weights gathered for every token. PPO trains a "
-            "LoRA adapter (a small optimizer state), so use device=ddp; sft and reward run under zero2, zero3 "
-            "and fsdp")
+            f"rlhf ppo runs under ddp, not {d.name} ({s}): the PPO loop prepares the policy and the value "
+            "model with one optimizer, which accelerate's DeepSpeed / FSDP wrappers take one model at a "
+            "time, and sampling with model.generate would need the sharded weights gathered for every "
+            "token. PPO trains a LoRA adapter (a small optimizer state), so use device=ddp; sft and reward "
+            "run under zero2, zero3 and fsdp")
     if command == "sft" and s in ("deepspeed", "fsdp") and bool(cfg.sft.lora.enabled) and \
             (s == "fsdp" or int(d.zero_stage) == 3):
         raise RlhfError(f"sft.lora.enabled=true with {d.name}: the adapter is merged into the weights before "
@@ -115,7 +115,7 @@ def check_launch(cfg) -> None:
 
 # ------------------------------------------------------------------------------- DeepSpeed / FSDP settings
 def deepspeed_config(device) -> dict:
-    """The DeepSpeed config for `TrainingArguments(deepspeed=...)`: "auto" fields are filled by the trainer from
+    """The DeepSpeed config for `TrainingArguments(deepspeed=...)`: the trainer fills the "auto" fields from
     its own arguments (micro-batch, accumulation, clipping, bf16/fp16), so they cannot disagree."""
     stage = int(device.zero_stage)
     zero: dict = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
@@ -237,10 +237,10 @@ def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None
         argv += ["--multi_gpu", "--num_processes", str(ac["num_processes"]), "--num_machines",
                  str(ac["num_machines"])]
         if ac["num_machines"] > 1:
-            argv += ["--machine_rank", str(ac["machine_rank"]), "--main_process_ip", str(ac["main_process_ip"]),
-                     "--rdzv_backend", ac["rdzv_backend"], "--same_network"]
-        argv += ["--main_process_port", str(ac["main_process_port"]), "--mixed_precision", ac["mixed_precision"],
-                 "--dynamo_backend", "no"]
+            argv += ["--machine_rank", str(ac["machine_rank"]), "--main_process_ip",
+                     str(ac["main_process_ip"]), "--rdzv_backend", ac["rdzv_backend"], "--same_network"]
+        argv += ["--main_process_port", str(ac["main_process_port"]), "--mixed_precision",
+                 ac["mixed_precision"], "--dynamo_backend", "no"]
     else:
         if config_file is None:
             raise ValueError("DeepSpeed / FSDP launches need the generated accelerate config file")
@@ -262,8 +262,8 @@ def write_accelerate_config(cfg, directory: str | Path) -> Path:
     path = Path(directory) / "accelerate_config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(accelerate_config(cfg.device), sort_keys=False)
-    path.write_text("# written by `rlhf " + str(cfg.command) + "` from cfg.device; used by accelerate launch\n"
-                    + text, encoding="utf-8")
+    head = f"# written by `rlhf {cfg.command}` from cfg.device; used by accelerate launch\n"
+    path.write_text(head + text, encoding="utf-8")
     return path
 
 
@@ -303,7 +303,8 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
         print(line)
         if config_file is not None:
             print(f"# {config_file}:")
-            print("\n".join("#   " + ln for ln in Path(config_file).read_text(encoding="utf-8").splitlines()[1:]))
+            body = Path(config_file).read_text(encoding="utf-8").splitlines()[1:]
+            print("\n".join("#   " + ln for ln in body))
         return 0
     if s == "deepspeed":
         import importlib.util

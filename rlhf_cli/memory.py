@@ -1,7 +1,7 @@
 """Memory plan of a recipe: bytes per process for each training stage, from the model's config values.
 
-Pure Python (no torch): `rlhf doctor` answers in seconds. Sizes are estimates of what each process holds at its
-peak; every term is listed so that a plan can be checked by hand.
+Pure Python (no torch): `rlhf doctor` answers in seconds. Sizes are estimates of what each process holds at
+its peak; every term is listed so that a plan can be checked by hand.
 
 Parameters (Qwen3 / Llama-style decoder: RMSNorm, grouped-query attention, SwiGLU MLP)
     embeddings V·h; per layer q h·(n_h·d) + k, v h·(n_kv·d) each + o (n_h·d)·h + MLP 3·h·i + norms 2h (+ 2d
@@ -10,10 +10,11 @@ Parameters (Qwen3 / Llama-style decoder: RMSNorm, grouped-query attention, SwiGL
     ("all-linear": q, k, v, o, gate, up, down; never the LM head), kept in fp32 by peft.
 
 Training state, per trainable parameter (p = bytes of the trainable weights)
-    gradients p (DDP adds its communication buckets: p again); AdamW exp_avg + exp_avg_sq: 2p (torch keeps them
-    in the parameter dtype); DeepSpeed keeps fp32 states and, with 16-bit weights, an fp32 master copy: 8 + 4
-    bytes. ZeRO-1/2 divide optimizer states (and ZeRO-2 the gradients) by the number of processes, ZeRO-3 and
-    FSDP divide weights, gradients and states; offload moves states (and ZeRO-3 parameters) to CPU memory.
+    gradients p (DDP adds its communication buckets: p again); AdamW exp_avg + exp_avg_sq: 2p (torch keeps
+    them in the parameter dtype); DeepSpeed keeps fp32 states and, with 16-bit weights, an fp32 master copy:
+    8 + 4 bytes. ZeRO-1/2 divide optimizer states (and ZeRO-2 the gradients) by the number of processes,
+    ZeRO-3 and FSDP divide weights, gradients and states; offload moves states (and ZeRO-3 parameters) to CPU
+    memory.
 
 Activations kept for the backward pass, per token per decoder layer, in elements (q = n_h·d, kv = n_kv·d)
     attention: norm input and output 2h, q/k before and after their norms 2(q + kv), v kv, rotated q/k q + kv,
@@ -24,18 +25,19 @@ Activations kept for the backward pass, per token per decoder layer, in elements
     recomputation. Times micro-batch × sequence length × layers × bytes of the compute dtype.
 Logits: B·T·V for the LM head output, plus its fp32 copy and log-softmax for the loss (4 + 4 bytes).
 Generation (PPO rollout, no gradients) of F sequences of S = prompt + response tokens
-    KV cache 2·L·n_kv·d·F·S; the R sampled steps' fp32 logits (F·R·V) as generate returns them, stacked, and
-    the temperature-scaled / softmax temporaries of the log-prob and entropy pass: 5·F·R·V·4 bytes.
+    KV cache 2·L·n_kv·d·F·S; the R sampled steps' logits (F·R·V) stacked, and the temperature-scaled,
+    log-softmax and entropy temporaries of the log-prob pass: 5·F·R·V·4 bytes; with a LoRA policy, the merged
+    copy of each adapted weight that sampling runs on.
 
 Runtime overhead (measured, see RUNTIME_OVERHEAD_MIB and ALLOCATOR_SLACK): on the CPU, what a stage allocates
-besides tensors (library code imported on first use, tokenizer, data, thread pools) and glibc's habit of keeping
-freed large blocks (peak RSS ≈ 2 × the transient tensors); on a GPU the CUDA context and the caching allocator.
+besides tensors (library code imported on first use, tokenizer, data, thread pools) and glibc's habit of
+keeping freed large blocks (peak RSS ≈ 2 × the transient tensors); on a GPU the CUDA context and the caching
+allocator.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,10 +48,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 # Measured on a 2-core CPU box with the tiny recipe (torch 2.13, transformers 5.24, trl 1.16, 1 thread) with
 # tests/rss_probe.py: peak RSS growth (after the stage's imports) of a run with micro-batch 1 and the shortest
-# lengths, minus its tensors (models, optimizer) - what a run allocates that no term above counts: library code
-# imported on first use, tokenizer, data and datasets, the trainer, thread pools. GPUs: CUDA context and the
-# caching allocator's reserve, an assumption (no GPU to measure here).
-RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 97, "reward": 63, "ppo": 118}, "cuda": {"sft": 768, "reward": 768, "ppo": 768}}
+# lengths, minus its tensors (models, optimizer) - what a run allocates that no term above counts: library
+# code imported on first use, tokenizer, data and datasets, the trainer, thread pools. GPUs: CUDA context and
+# the caching allocator's reserve, an assumption (no GPU to measure here).
+RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 97, "reward": 63, "ppo": 118},
+                        "cuda": {"sft": 768, "reward": 768, "ppo": 768}}
 # Peak RSS / peak live transient tensors: glibc's malloc raises its mmap threshold after frees, so freed
 # activation and logits buffers stay resident (measured 1.9-2.2 on the tiny PPO runs). PyTorch's CUDA caching
 # allocator fragments far less.
@@ -103,8 +106,8 @@ def _cached_config_files(name: str, cache_dir: str | None) -> list[Path]:
     org_name = name.replace("/", "--")
     roots = [Path(cache_dir).expanduser()] if cache_dir else []
     ms = os.environ.get("MODELSCOPE_CACHE") or str(Path.home() / ".cache" / "modelscope" / "hub")
-    hf = os.environ.get("HF_HUB_CACHE") or str(Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-                                                / "hub")
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    hf = os.environ.get("HF_HUB_CACHE") or str(hf_home / "hub")
     roots += [Path(ms), Path(hf)]
     found = []
     for root in roots:
@@ -132,8 +135,9 @@ def arch_for_model(model_cfg) -> tuple[Arch, str]:
             continue
     if name in KNOWN_ARCHS:
         return KNOWN_ARCHS[name], f"built-in table (no config.json of {name} readable here)"
-    raise ValueError(f"no config.json for {name} (not a local directory, not in the hub caches) and it is not in "
-                     f"the built-in table ({', '.join(KNOWN_ARCHS)}); point model.name_or_path at a model directory")
+    raise ValueError(f"no config.json for {name} (not a local directory, not in the hub caches) and it is "
+                     f"not in the built-in table ({', '.join(KNOWN_ARCHS)}); point model.name_or_path at a "
+                     "model directory")
 
 
 # --------------------------------------------------------------------------------------------- parameters
@@ -227,7 +231,8 @@ class Setup:
     dtype_name: str = "float32"
 
 
-def setup_from(cfg) -> Setup:
+def setup_from(cfg, visible_gpus: int = 0) -> Setup:
+    """`device.num_processes=auto` plans for the visible GPUs (8 when none is visible here)."""
     d, m = cfg.device, cfg.model
     acc = str(d.accelerator)
     dtype = str(m.dtype)
@@ -235,12 +240,13 @@ def setup_from(cfg) -> Setup:
         dtype = "bfloat16" if acc == "cuda" else "float32"
     wb = 4 if dtype == "float32" else 2
     n = d.num_processes
-    per_machine = 8 if str(n) == "auto" else int(n)
+    per_machine = (visible_gpus or 8) if str(n) == "auto" else int(n)
     strategy = str(d.get("strategy") or "single")
+    zero = int(d.get("zero_stage") or 0) if strategy == "deepspeed" else 0
     return Setup(accelerator=acc, strategy=strategy, world=per_machine * int(d.get("num_machines") or 1),
-                 per_machine=per_machine, zero_stage=int(d.get("zero_stage") or 0) if strategy == "deepspeed" else 0,
-                 offload_optimizer=bool(d.get("offload_optimizer")), offload_params=bool(d.get("offload_params")),
-                 weight_bytes=wb, compute_bytes=wb, dtype_name=dtype)
+                 per_machine=per_machine, zero_stage=zero, offload_optimizer=bool(d.get("offload_optimizer")),
+                 offload_params=bool(d.get("offload_params")), weight_bytes=wb, compute_bytes=wb,
+                 dtype_name=dtype)
 
 
 def _shards(s: Setup) -> tuple[int, int, int]:
@@ -249,7 +255,8 @@ def _shards(s: Setup) -> tuple[int, int, int]:
     if s.strategy == "fsdp":
         return n, n, n
     if s.strategy == "deepspeed":
-        return (n if s.zero_stage >= 3 else 1), (n if s.zero_stage >= 2 else 1), (n if s.zero_stage >= 1 else 1)
+        z = s.zero_stage
+        return (n if z >= 3 else 1), (n if z >= 2 else 1), (n if z >= 1 else 1)
     return 1, 1, 1
 
 
@@ -260,7 +267,8 @@ def _train_state(plan: StagePlan, s: Setup, trainable: float, tbytes: int, label
     plan.items.append(Item(f"gradients ({label})", grads, f"{trainable / 1e6:.2f}M × {tbytes} B"
                            + (f" / {g_div}" if g_div > 1 else "")))
     if s.strategy == "ddp" and s.world > 1:
-        plan.items.append(Item("DDP gradient buckets", trainable * tbytes, "a second gradient copy for all-reduce"))
+        plan.items.append(Item("DDP gradient buckets", trainable * tbytes,
+                               "a second gradient copy for all-reduce"))
     if s.strategy == "deepspeed":
         per = 8 + (4 if tbytes < 4 else 0)
         note = f"fp32 exp_avg + exp_avg_sq{' + fp32 master' if tbytes < 4 else ''} = {per} B/param / {o_div}"
@@ -277,8 +285,8 @@ def _weights(plan: StagePlan, s: Setup, name: str, params: float, frozen: bool =
     # ZeRO-3 / FSDP shard what the optimizer trains; frozen models (PPO's reward model) stay whole
     div = 1 if frozen else w_div
     kind = "offloaded" if (s.offload_params and div > 1) else "static"
-    plan.items.append(Item(name, params * s.weight_bytes / div,
-                           f"{params / 1e6:.2f}M × {s.weight_bytes} B" + (f" / {div}" if div > 1 else ""), kind))
+    note = f"{params / 1e6:.2f}M × {s.weight_bytes} B" + (f" / {div}" if div > 1 else "")
+    plan.items.append(Item(name, params * s.weight_bytes / div, note, kind))
 
 
 def _activations(a: Arch, batch: int, seq: int, nbytes: int, checkpointing: bool) -> float:
@@ -306,13 +314,17 @@ def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
     logits = b * t * a.vocab_size * (s.compute_bytes + 8)
     plan.items.append(Item("activations", act, f"micro-batch {b} × {t} tokens × {a.num_hidden_layers} layers"
                            + (" (checkpointed)" if ckpt else ""), "transient"))
-    plan.items.append(Item("logits", logits, f"{b}·{t}·{a.vocab_size} × ({s.compute_bytes} + 4 + 4) B", "transient"))
+    plan.items.append(Item("logits", logits, f"{b}·{t}·{a.vocab_size} × ({s.compute_bytes} + 4 + 4) B",
+                           "transient"))
     plan.phases["training step"] = act + logits
     # evaluation (no gradients): one layer's activations at a time, logits with the loss and trl's entropy /
     # token-accuracy temporaries
     be = int(st.per_device_eval_batch_size)
-    ev = be * t * (activation_elements_per_token_layer(a) * s.compute_bytes + a.vocab_size * (s.compute_bytes + 8))
-    plan.items.append(Item("evaluation", ev, f"eval batch {be} × {t} tokens: one layer + logits", "transient"))
+    per_token = (activation_elements_per_token_layer(a) * s.compute_bytes
+                 + a.vocab_size * (s.compute_bytes + 8))
+    ev = be * t * per_token
+    plan.items.append(Item("evaluation", ev, f"eval batch {be} × {t} tokens: one layer + logits",
+                           "transient"))
     plan.phases["evaluation"] = ev
     return plan
 
@@ -326,8 +338,8 @@ def plan_reward(cfg, a: Arch, s: Setup) -> StagePlan:
     b, t = 2 * int(st.per_device_train_batch_size), int(st.max_length)  # chosen + rejected in one forward
     ckpt = bool(st.get("activation_checkpointing"))
     act = _activations(a, b, t, s.compute_bytes, ckpt)
-    plan.items.append(Item("activations", act, f"{b} sequences (chosen + rejected) × {t} tokens × "
-                           f"{a.num_hidden_layers} layers" + (" (checkpointed)" if ckpt else ""), "transient"))
+    note = f"{b} sequences (chosen + rejected) × {t} tokens × {a.num_hidden_layers} layers"
+    plan.items.append(Item("activations", act, note + (" (checkpointed)" if ckpt else ""), "transient"))
     plan.phases["training step"] = act
     return plan
 
@@ -336,7 +348,8 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     p = cfg.ppo
     plan = StagePlan("ppo")
     pl, pc = causal_lm_params(a), seq_cls_params(a)
-    ps = Setup(**{**s.__dict__, "strategy": "ddp" if s.world > 1 else "single", "zero_stage": 0})  # ppo: ddp only
+    # ppo runs under ddp only
+    ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0)
     _weights(plan, ps, "policy weights", pl)
     if bool(p.lora.enabled):
         n_lora = lora_params(a, int(p.lora.r), p.lora.target_modules)
@@ -368,16 +381,24 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     gen_logits = 5 * f * r * a.vocab_size * 4
     plan.items.append(Item("KV cache", kv, f"2·{a.num_hidden_layers} layers·{a.kv_dim}·{f} seqs·{seq} tokens "
                            f"× {cb} B", "transient"))
-    plan.items.append(Item("generation logits", gen_logits, f"5 × {f}·{r}·{a.vocab_size} × 4 B (sampled logits, "
-                           "stacked, log-prob / entropy temporaries)", "transient"))
+    plan.items.append(Item("generation logits", gen_logits, f"5 × {f}·{r}·{a.vocab_size} × 4 B (sampled "
+                           "logits, log-prob / entropy temporaries)", "transient"))
     act = _activations(a, b, seq, cb, False)
     logits = b * r * a.vocab_size * (cb + 4) + 3 * b * r * a.vocab_size * 4
-    plan.items.append(Item("policy activations", act, f"micro-batch {b} × {seq} tokens × {a.num_hidden_layers} "
-                           "layers", "transient"))
+    plan.items.append(Item("policy activations", act, f"micro-batch {b} × {seq} tokens × "
+                           f"{a.num_hidden_layers} layers", "transient"))
     plan.items.append(Item("value activations", act, "same shape as the policy's", "transient"))
     plan.items.append(Item("policy logits", logits, f"{b}·{r}·{a.vocab_size} × ({cb} + 4) B + entropy "
                            "temporaries", "transient"))
-    plan.phases["rollout"] = kv + gen_logits
+    merged = 0
+    if bool(p.lora.enabled):
+        # sampling runs on the LoRA merged into a copy of each adapted weight (ppo.rollout.lora_merged)
+        shapes = linear_shapes(a)
+        targets = LORA_TARGETS if str(p.lora.target_modules) == "all-linear" else list(p.lora.target_modules)
+        merged = a.num_hidden_layers * sum(shapes[t][0] * shapes[t][1] for t in targets if t in shapes) * cb
+        plan.items.append(Item("merged LoRA weights", merged, "sampling uses W + B·A copies of the adapted "
+                               "weights", "transient"))
+    plan.phases["rollout"] = kv + gen_logits + merged
     plan.phases["training step"] = 2 * act + logits
     return plan
 
@@ -425,7 +446,8 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
                        dict(strategy="fsdp", zero_stage=0)):
                 if (s.strategy, s.zero_stage) != (kw["strategy"], kw["zero_stage"]):
                     out.append(({}, {**many, **kw}))
-            if s.strategy == "deepspeed" and s.zero_stage == 3 and not (s.offload_optimizer and s.offload_params):
+            offloaded = s.offload_optimizer and s.offload_params
+            if s.strategy == "deepspeed" and s.zero_stage == 3 and not offloaded:
                 out.append(({}, {"offload_optimizer": True, "offload_params": True}))
     if stage == "ppo":
         f = int(st.rollout_forward_batch_size)
@@ -459,7 +481,8 @@ def remedies(cfg, stage: str, a: Arch, s: Setup, budget: float) -> tuple[list[tu
         c, s2 = _apply(cfg, s, keys, fields)
         p = plan_stage(c, stage, a, s2)
         if p.peak <= budget:
-            label = " ".join([f"{k}={str(v).lower()}" for k, v in keys.items()] + (_device_label(s2) if fields else []))
+            label = " ".join([f"{k}={str(v).lower()}" for k, v in keys.items()]
+                             + (_device_label(s2) if fields else []))
             singles.append((label, p))
     if singles:
         return sorted(singles, key=lambda x: x[1].peak, reverse=True), None
@@ -498,13 +521,10 @@ def format_plan(plan: StagePlan) -> list[str]:
         tag = {"transient": " (peak of a phase)", "offloaded": " (CPU memory)"}.get(it.kind, "")
         lines.append(f"    {it.name:<28}{fmt_bytes(it.bytes):>12}  {it.note}{tag}")
     phase = max(plan.phases, key=plan.phases.get) if plan.phases else "-"
-    lines.append(f"    {'tensors at peak':<28}{fmt_bytes(plan.tensors):>12}  static {fmt_bytes(plan.static)} + "
-                 f"{phase} {fmt_bytes(plan.transient)}")
+    lines.append(f"    {'tensors at peak':<28}{fmt_bytes(plan.tensors):>12}  static "
+                 f"{fmt_bytes(plan.static)} + {phase} {fmt_bytes(plan.transient)}")
     lines.append(f"    {'runtime overhead':<28}{fmt_bytes(plan.peak - plan.tensors):>12}  "
-                 f"{fmt_bytes(plan.overhead)} measured constant + allocator slack ×{plan.slack:g} on the transient part")
+                 f"{fmt_bytes(plan.overhead)} measured constant + allocator slack ×{plan.slack:g} on the "
+                 "transient part")
     lines.append(f"    {'peak per process':<28}{fmt_bytes(plan.peak):>12}")
     return lines
-
-
-def ceil_gib(n: float) -> int:
-    return math.ceil(n / GiB)

@@ -61,8 +61,9 @@ def main(argv: list[str]) -> None:
     done.set()
     t.join()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"command": command, "baseline_mib": baseline / 2**20, "peak_mib": max(peak[0], maxrss) / 2**20,
-                      "growth_mib": (max(peak[0], maxrss) - baseline) / 2**20, "seconds": time.perf_counter() - t0}))
+    top = max(peak[0], maxrss)
+    print(json.dumps({"command": command, "baseline_mib": baseline / 2**20, "peak_mib": top / 2**20,
+                      "growth_mib": (top - baseline) / 2**20, "seconds": time.perf_counter() - t0}))
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def test_hard_negatives_present(splits):
     for rows in splits:
         hard = [r for r in rows if r["rejected"].endswith(POLITE_CLOSERS) and not is_polite(r["rejected"])]
         share = len(hard) / len(rows)
-        assert 0.2 <= share <= 0.4, share
+        assert 0.3 <= share <= 0.6, share
         # a hard negative is rude (rude opener) although its ending is polite
         assert all(has_rude_marker(r["rejected"]) and has_polite_marker(r["rejected"]) for r in hard)
         # both languages have hard negatives

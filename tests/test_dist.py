@@ -1,5 +1,5 @@
-"""Multi-process runs on the CPU (gloo): global whitening with a real all-reduce, the 2-process chain through the
-relaunch path (`device=cpu-ddp device.num_processes=2`), and the rank logic of atomic stage directories.
+"""Multi-process runs on the CPU (gloo): global whitening with a real all-reduce, the 2-process chain through
+the relaunch path (`device=cpu-ddp device.num_processes=2`), and the rank logic of atomic stage directories.
 
 One torch thread per process throughout (2-core box)."""
 
@@ -34,7 +34,7 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-# --------------------------------------------------------------------------- global whitening, real all-reduce
+# ------------------------------------------------------------------------ global whitening, real all-reduce
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,3 +205,21 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
     st = torch.load(run / "ppo" / "checkpoints" / "checkpoint-4" / "trainer_state.pt", weights_only=False)
     assert len(st["prompts_consumed"]) == 2 and len(st["rng"]) == 2  # one entry per rank
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_process_fsdp_sft_saves_full_weights(chain):
+    """FSDP2 through accelerate and trl (gloo on the CPU): the sharded weights are gathered into one plain
+    model directory that loads like the DDP one."""
+    from safetensors.torch import load_file
+
+    root, run = chain
+    out = root / "fsdp-sft"
+    rc, _, err = rlhf(root, "sft", "device=fsdp", "device.accelerator=cpu", "device.threads=1",
+                      "device.num_processes=2", "sft.max_steps=4", "sft.eval_steps=100",
+                      f"sft.output_dir={out}")
+    assert rc == 0, err[-3000:]
+    assert read(out / "metrics.json")["steps"] == 4
+    full, ddp = load_file(str(out / "model.safetensors")), load_file(str(run / "sft" / "model.safetensors"))
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in ddp.items()}

@@ -3,10 +3,11 @@
 Each pair shares a question and a topic-specific helpful sentence; the answers differ only in tone:
 
 * chosen: polite opener + body + polite closing.
-* rejected: half fully rude (rude opener + body + rude closing); the other half are hard negatives that are
-  polite in places, so that a reward model cannot judge a reply by its opening or its ending alone:
-  20% rude opener + body + polite closing, 15% polite opener + body + rude closing, and 15% polite opener +
-  body + a rude remark + polite closing (rude only in the middle). A further 10% of rejected answers are
+* rejected: about a third fully rude (rude opener + body + rude closing); the rest are hard negatives that
+  are polite in places, so that a reward model cannot judge a reply by its opening or its ending alone:
+  20% rude opener + body + polite closing, 15% polite opener + body + rude closing, 15% polite opener +
+  body + a rude remark + polite closing (rude only in the middle), and 15% polite at both ends with a rude
+  word slipped inside the helpful sentence. A further 10% of rejected answers are
   polite but unhelpful (opener + closing, no body), so a reward model also asks for the content and a policy
   cannot win by saying only "Thank you for asking!".
 
@@ -22,7 +23,7 @@ import json
 import random
 from pathlib import Path
 
-from rlhf_cli.demo import TEST_FILE, TRAIN_FILE
+from rlhf_cli.demo import EN_RUDE_MARKERS, TEST_FILE, TRAIN_FILE, ZH_RUDE_MARKERS
 
 __all__ = [
     "EN_TOPICS",
@@ -40,6 +41,7 @@ __all__ = [
     "HARD_NEGATIVE_RATE",
     "POLITE_OPENER_RATE",
     "UNHELPFUL_RATE",
+    "RUDE_INSIDE_RATE",
     "TEST_TOPICS_PER_LANGUAGE",
     "generate",
     "write_jsonl",
@@ -49,6 +51,7 @@ __all__ = [
 HARD_NEGATIVE_RATE = 0.2  # rejected answers with a rude opener and a polite closing
 UNHELPFUL_RATE = 0.1  # rejected answers that are polite but have no body
 POLITE_OPENER_RATE = 0.15  # each of: polite opener + rude closing; polite opener + rude middle + polite closing
+RUDE_INSIDE_RATE = 0.15  # polite at both ends, a rude word slipped inside the helpful sentence
 TEST_TOPICS_PER_LANGUAGE = 10
 
 # (task used inside the question, one helpful sentence about it)
@@ -311,6 +314,17 @@ def _split_topics(rng: random.Random, n_topics: int) -> tuple[list[int], list[in
     return train, test
 
 
+def _insert_rude(rng: random.Random, lang: str, body: str) -> str:
+    """The body with one rude marker slipped in at a random word (EN) or character (ZH) boundary: the
+    pattern a policy finds when a reward model only knows rude phrases as whole sentences."""
+    if lang == "en":
+        words = body.split(" ")
+        i = rng.randrange(1, len(words))
+        return " ".join(words[:i] + [rng.choice(EN_RUDE_MARKERS)] + words[i:])
+    i = rng.randrange(1, max(2, len(body) - 1))
+    return body[:i] + rng.choice(ZH_RUDE_MARKERS) + body[i:]
+
+
 def _make_rows(rng: random.Random, lang: str, topic_ids: list[int], n: int) -> list[dict]:
     spec = _LANGS[lang]
     sep = spec["sep"]
@@ -329,6 +343,8 @@ def _make_rows(rng: random.Random, lang: str, topic_ids: list[int], n: int) -> l
         elif kind < HARD_NEGATIVE_RATE + 2 * POLITE_OPENER_RATE:  # polite at both ends, rude in the middle
             parts = (rng.choice(spec["polite_open"]), body, rng.choice(spec["rude_close"]),
                      rng.choice(spec["polite_close"]))
+        elif kind < HARD_NEGATIVE_RATE + 2 * POLITE_OPENER_RATE + RUDE_INSIDE_RATE:  # a rude word in the body
+            parts = (rng.choice(spec["polite_open"]), _insert_rude(rng, lang, body), rng.choice(spec["polite_close"]))
         else:
             parts = (rng.choice(spec["rude_open"]), body, rng.choice(spec["rude_close"]))
         rejected = sep.join(parts)

@@ -122,9 +122,21 @@ def truncate_at_stop(response: torch.Tensor, stop_ids: list[int], pad_id: int) -
 
 def policy_logits(model, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
     """Logits (B, R, V) predicting the R response tokens; the LM head runs on those positions only."""
+    L = input_ids.shape[1]
+    # exactly the R positions P-1 … P+R-2: a contiguous (B, R, d) input to the head, no slice of its output
+    keep = torch.arange(L - response_length - 1, L - 1, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=response_length + 1, use_cache=False)
-    return out.logits[:, :-1]
+                logits_to_keep=keep, use_cache=False)
+    return out.logits
+
+
+def leading_padding(attention_mask: torch.Tensor, group: int) -> list[int]:
+    """For each run of `group` consecutive rows: the number of leading columns that are padding in every row of
+    the run (left-padded prompts of a micro-batch are often all shorter than the longest of the batch). Dropping
+    them changes no output at a valid position: they are masked keys, and positions come from position_ids."""
+    B, L = attention_mask.shape
+    valid = attention_mask.bool().view(B // group, group, L).any(1)
+    return valid.int().argmax(-1).tolist()
 
 
 def response_slice(x: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -212,12 +224,16 @@ def lora_merged(model):
 
 
 @torch.no_grad()
-def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token sampling with a KV cache: (response (B, R), raw logits (B, R, V)).
+def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temperature: float = 1.0,
+                keep_logits: bool = False) -> dict:
+    """Token-by-token sampling with a KV cache: {"response" (B, R), "logprobs" (B, R), "entropy" (B, R)} and,
+    with keep_logits, the raw "logits" (B, R, V).
 
     The distribution is generate()'s for these settings: EOS masked for the first `min_new_tokens` tokens,
     logits / temperature, top-k, top-p, then one draw per row (or argmax without sampling). A row that has
     produced a stop token gets pad tokens afterwards, and the loop ends as soon as every row has stopped.
+    Log-probs and entropies are those of the raw logits / score_temperature (EOS not masked: the policy's own
+    distribution, as the PPO update recomputes it), taken step by step while each (B, V) row block is small.
     Without generate()'s per-step machinery, a step costs little more than the model forward itself."""
     from transformers import DynamicCache
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -232,11 +248,14 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[t
     suppress = torch.tensor(eos, device=device) if eos and min_new > 0 else None
     sample = bool(gen_config.do_sample)
     temperature = float(gen_config.temperature if gen_config.temperature is not None else 1.0)
+    score_temperature = float(score_temperature)
     warpers = []
     if sample and gen_config.top_k:
         warpers.append(TopKLogitsWarper(int(gen_config.top_k)))
     if sample and gen_config.top_p is not None and float(gen_config.top_p) < 1.0:
         warpers.append(TopPLogitsWarper(float(gen_config.top_p)))
+    # sampling at the scoring temperature without warpers: draw from the scoring distribution itself
+    shared = sample and not warpers and temperature == score_temperature
     pad = int(gen_config.pad_token_id)
 
     attn = prompt_mask.long()
@@ -247,23 +266,32 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[t
     next_pos = pos[:, -1:] + 1
     ones = torch.ones(B, 1, dtype=attn.dtype, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens, logits_steps = [], []
+    tokens, logprobs, entropies, logits_steps = [], [], [], []
     for t in range(R):
         logits = out.logits[:, -1, :]
-        logits_steps.append(logits)
-        scores = logits.float()
-        if suppress is not None and t < min_new:
-            scores = scores.index_fill(-1, suppress, float("-inf"))
-        if sample:
-            if temperature != 1.0:
-                scores = scores / temperature
-            for w in warpers:
-                scores = w(None, scores)
-            nxt = _draw(torch.softmax(scores, dim=-1))
+        if keep_logits:
+            logits_steps.append(logits)
+        raw = logits.float()
+        logp = torch.log_softmax(raw if score_temperature == 1.0 else raw / score_temperature, dim=-1)
+        p = logp.exp()
+        entropies.append(-(p * logp).nansum(-1))
+        masked = suppress is not None and t < min_new
+        if shared:
+            # p with the masked tokens at 0: _draw renormalises, which is softmax over the unmasked tokens
+            nxt = _draw(p.index_fill(-1, suppress, 0.0) if masked else p)
         else:
-            nxt = scores.argmax(-1)
+            scores = raw.index_fill(-1, suppress, float("-inf")) if masked else raw
+            if sample:
+                if temperature != 1.0:
+                    scores = scores / temperature
+                for w in warpers:
+                    scores = w(None, scores)
+                nxt = _draw(torch.softmax(scores, dim=-1))
+            else:
+                nxt = scores.argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         tokens.append(nxt)
+        logprobs.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
         if stop is not None:
             done = done | torch.isin(nxt, stop)
             if bool(done.all()):
@@ -274,7 +302,11 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids) -> tuple[t
         out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos, cache=cache,
                     use_cache=True)
         next_pos = next_pos + 1
-    return torch.stack(tokens, 1), torch.stack(logits_steps, 1)
+    result = {"response": torch.stack(tokens, 1), "logprobs": torch.stack(logprobs, 1),
+              "entropy": torch.stack(entropies, 1)}
+    if keep_logits:
+        result["logits"] = torch.stack(logits_steps, 1)
+    return result
 
 
 @torch.no_grad()
@@ -284,13 +316,15 @@ def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_
     eff = _effective_generation_config(policy, gen_config)
     if _loop_supported(eff):
         with lora_merged(policy):
-            response, logits = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids)
+            g = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids, score_temperature=temperature)
+        response, logprobs, entropy = g["response"], g["logprobs"], g["entropy"]
     else:
         out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
         response = out.sequences[:, prompt_ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1)  # (B, R, V) raw logits, temperature not yet applied
+        logprobs, entropy = core.logprobs_and_entropy(logits, response, temperature)
     if fixed_length is not None and response.shape[1] < fixed_length:
         raise RuntimeError("generation stopped early although no stop token is configured")
+    # tokens after a stop are pad (the loop and generate() both emit pad there); their log-probs are masked
     response, mask = truncate_at_stop(response, stop_ids, tokenizer.pad_token_id)
-    logprobs, entropy = core.logprobs_and_entropy(logits, response, temperature)
     return {"response": response, "mask": mask, "logprobs": logprobs, "entropy": entropy}

@@ -26,7 +26,8 @@ def train_dtype(cfg) -> tuple[torch.dtype, dict]:
 
 def trainer_kwargs(stage, cfg, out_dir: Path, precision: dict, n_train: int) -> dict:
     """TrainingArguments fields shared by SFTConfig and RewardConfig, filled from `cfg.<stage>` + `cfg.device`
-    (device=zero2/zero3: a DeepSpeed config whose "auto" fields the trainer fills; device=fsdp: fsdp_config)."""
+    (device=zero2/zero3: a DeepSpeed config whose "auto" fields the trainer fills; device=fsdp:
+    fsdp_config)."""
     # TensorBoard events land inside the stage directory (moved into place with it on success).
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -64,9 +65,9 @@ def trainer_kwargs(stage, cfg, out_dir: Path, precision: dict, n_train: int) -> 
 
 
 def save_trained(trainer, model, tok, out: Path, device) -> None:
-    """Write the trained model and tokenizer as a plain directory. Every process calls this: with sharded weights
-    (ZeRO-3, FSDP) `trainer.save_model` gathers them (a collective) and the main process writes; otherwise the
-    main process saves `model` (a LoRA adapter already merged) by itself."""
+    """Write the trained model and tokenizer as a plain directory. Every process calls this: with sharded
+    weights (ZeRO-3, FSDP) `trainer.save_model` gathers them (a collective) and the main process writes;
+    otherwise the main process saves `model` (a LoRA adapter already merged) by itself."""
     if is_sharded(device):
         trainer.save_model(str(out))
     elif trainer.is_world_process_zero():

@@ -1,5 +1,5 @@
-"""`rlhf doctor [recipe=NAME] [device=...]`: library versions, devices, hub reachability, and a memory plan per
-process for the recipe's training stages (rlhf_cli.memory), with what to change when it does not fit.
+"""`rlhf doctor [recipe=NAME] [device=...]`: library versions, devices, hub reachability, and a memory plan
+per process for the recipe's training stages (rlhf_cli.memory), with what to change when it does not fit.
 
 Imports no trainer library: versions come from package metadata, torch is imported once for the device report,
 and each hub gets one TCP connection attempt with a short timeout (no retries), all in parallel.
@@ -112,8 +112,6 @@ def _verdict(plan: M.StagePlan, cap: float | None) -> str:
 
 
 def report(cfg) -> str:
-    from omegaconf import OmegaConf
-
     lines: list[str] = []
     timeout = float(cfg.doctor.get("timeout_s") or 2)
     hub_thread_result: dict = {}
@@ -132,7 +130,8 @@ def report(cfg) -> str:
             lines.append(f"  GPU {i}: {g['name']}, {M.fmt_bytes(g['total'])} ({M.fmt_bytes(g['free'])} free)")
         lines.append(f"  bf16: {'supported' if dev.get('bf16') else 'not supported (fp16 instead)'}")
     else:
-        why = "torch built without CUDA" if dev["torch_cuda"] is None else f"torch built for CUDA {dev['torch_cuda']}"
+        why = ("torch built without CUDA" if dev["torch_cuda"] is None
+               else f"torch built for CUDA {dev['torch_cuda']}")
         lines.append(f"  CUDA: not available ({why}); bf16 training needs a GPU here")
     lines.append(f"  CPU: {dev['cpu_count']} cores, RAM {M.fmt_bytes(dev['ram_available'])} available of "
                  f"{M.fmt_bytes(dev['ram_total'])}")
@@ -145,7 +144,7 @@ def report(cfg) -> str:
         arch, source = M.arch_for_model(cfg.model)
     except ValueError as e:
         raise RlhfError(str(e)) from None
-    s = M.setup_from(cfg)
+    s = M.setup_from(cfg, len(dev["gpus"]))
     lines.append(f"model {cfg.model.name_or_path} (values from {source})")
     lines.append(f"  vocab {arch.vocab_size}, hidden {arch.hidden_size}, {arch.num_hidden_layers} layers, "
                  f"{arch.num_attention_heads} heads / {arch.num_key_value_heads} kv heads × {arch.head_dim}, "
@@ -153,9 +152,10 @@ def report(cfg) -> str:
                  f"embeddings: {M.causal_lm_params(arch) / 1e6:.1f}M parameters "
                  f"({M.seq_cls_params(arch) / 1e6:.1f}M as a reward / value model)")
     where = f"{s.per_machine} process(es) per machine × {s.world // max(s.per_machine, 1)} machine(s)"
-    lines.append(f"memory plan per process: device {cfg.device.name} ({s.strategy}"
-                 + (f", ZeRO-{s.zero_stage}" if s.zero_stage else "") + f"), {where}, weights in {s.dtype_name}; "
-                 "sequences at the configured maximum lengths (real batches are padded to their longest row)")
+    zero = f", ZeRO-{s.zero_stage}" if s.zero_stage else ""
+    lines.append(f"memory plan per process: device {cfg.device.name} ({s.strategy}{zero}), {where}, "
+                 f"weights in {s.dtype_name}; sequences at the configured maximum lengths (real batches are "
+                 "padded to their longest row)")
     cap, cap_src = _capacity(cfg, s, dev)
     lines.append(f"  against: {cap_src}")
     for stage in cfg.doctor.stages:
@@ -179,9 +179,8 @@ def report(cfg) -> str:
             elif combo:
                 lines.append(f"    {label}, together: {combo[0]} -> {M.fmt_bytes(combo[1].peak)}")
             else:
-                lines.append(f"    {label}: smaller micro-batches, activation checkpointing and ZeRO-3 offload "
-                             "are not enough; shorten the sequences or use larger GPUs")
-    del OmegaConf
+                lines.append(f"    {label}: smaller micro-batches, activation checkpointing and ZeRO-3 "
+                             "offload are not enough; shorten the sequences or use larger GPUs")
     return "\n".join(lines)
 
 

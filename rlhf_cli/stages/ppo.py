@@ -35,8 +35,8 @@ from rlhf_cli.io import read_json, write_json
 from rlhf_cli.models import (base_model_dir, load_causal_lm, load_seq_cls, load_tokenizer, lora_config,
                              resolve_dtype, same_vocab, setup_torch)
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.rollout import (Rollout, TokenValueModel, generate_chunk, policy_logits, position_ids_from,
-                                  response_slice)
+from rlhf_cli.ppo.rollout import (Rollout, TokenValueModel, generate_chunk, leading_padding, policy_logits,
+                                  position_ids_from, response_slice)
 
 log = logging.getLogger("rlhf")
 STATE_FILE = "trainer_state.pt"
@@ -367,6 +367,8 @@ def run(cfg) -> None:
         stop_early = False
         for _epoch in range(int(p.num_ppo_epochs)):
             perm = torch.randperm(sizes.local_batch_size, device=device)
+            # per micro-batch, the prompt padding shared by all its rows is skipped (one host sync per epoch)
+            starts = leading_padding(batch.attention_mask[perm], sizes.micro_batch_size)
             for mb in range(sizes.num_mini_batches):
                 mb_idx = perm[mb * sizes.local_mini_batch_size: (mb + 1) * sizes.local_mini_batch_size]
                 mb_stats = []
@@ -379,7 +381,9 @@ def run(cfg) -> None:
                         sync.enter_context(accelerator.no_sync(policy))
                         sync.enter_context(accelerator.no_sync(value_model))
                     with sync:
-                        ids, am, pos = batch.input_ids[idx], batch.attention_mask[idx], batch.position_ids[idx]
+                        s0 = starts[mb * sizes.gradient_accumulation_steps + k]
+                        ids, am = batch.input_ids[idx, s0:], batch.attention_mask[idx, s0:]
+                        pos = batch.position_ids[idx, s0:]
                         m = mask[idx]
                         logits = policy_logits(policy, ids, am, pos, R)
                         new_logprobs, tok_entropy = core.logprobs_and_entropy(logits, batch.response_ids[idx],

@@ -1,0 +1,42 @@
+"""The benchmark's rlhf side runs on a 1-update tiny workload and writes the result fields both sides share.
+Speed itself is measured by `make bench`, never here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+SHARED_FIELDS = {"side", "transformers_version", "torch_version", "variant", "workload", "workload_dir", "updates",
+                 "episodes", "response_length", "train_s", "eps", "s_per_update", "peak_rss_mb", "threads",
+                 "gc_disabled", "gc_calls", "gc_s", "scores_first", "scores_last", "kl_last", "trainable_params"}
+
+
+@pytest.mark.slow
+def test_rlhf_side_one_update_on_tiny_workload(tmp_path):
+    env_py = sys.executable
+    wdir = tmp_path / "tiny"
+    subprocess.run([env_py, str(BENCH / "workload.py"), "tiny", str(wdir)], check=True, capture_output=True,
+                   timeout=120)
+    out = tmp_path / "r.json"
+    proc = subprocess.run([env_py, str(BENCH / "rlhf_side.py"), "--workload-dir", str(wdir), "--variant", "lora",
+                           "--updates", "1", "--response-length", "8", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert SHARED_FIELDS <= r.keys()
+    assert r["side"] == "rlhf" and r["variant"] == "lora" and r["workload"] == "tiny"
+    assert r["updates"] == 1 and r["episodes"] == 32 and r["response_length"] == 8
+    assert r["train_s"] > 0 and r["eps"] == pytest.approx(32 / r["train_s"], rel=1e-2)
+    assert len(r["s_per_update"]) == 1 and r["peak_rss_mb"] > 0
+    assert r["prompt_tokens_identical"] is True and r["prompts_checked"] > 500
+    assert r["scores_first"] is not None and r["kl_last"] is not None
+    # LoRA r 8 on every linear layer of the policy + the whole value model are trained
+    assert r["trainable_params"] > 0
+    # the prepared inputs stay in the workload directory for later runs
+    assert (wdir / "rlhf_policy" / "tokenizer.json").exists() and (wdir / "rlhf_prompts.jsonl").exists()

@@ -1,0 +1,208 @@
+"""Device configs (conf/device/*.yaml): they compose, their generated accelerate / DeepSpeed / FSDP settings
+parse, and the launch line that `dry_run=true` prints is the one that would run."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import yaml
+
+from rlhf_cli import launch
+from rlhf_cli.config import CONF_DIR, compose
+from rlhf_cli.errors import RlhfError
+
+DEVICES = sorted(p.stem for p in (CONF_DIR / "device").glob("*.yaml"))
+EXPECTED = {  # name: (accelerator, strategy, zero stage)
+    "cpu": ("cpu", "single", 0), "cuda": ("cuda", "single", 0), "cpu-ddp": ("cpu", "ddp", 0),
+    "ddp": ("cuda", "ddp", 0), "zero2": ("cuda", "deepspeed", 2), "zero3": ("cuda", "deepspeed", 3),
+    "fsdp": ("cuda", "fsdp", 0),
+}
+
+
+def test_every_expected_device_file_exists():
+    assert set(EXPECTED) <= set(DEVICES)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("command", ["sft", "reward", "ppo", "doctor"])
+def test_device_composes(device, command):
+    cfg = compose(command, [f"device={device}"])
+    d = cfg.device
+    assert d.name == device
+    if device in EXPECTED:
+        assert (d.accelerator, d.strategy, d.zero_stage) == EXPECTED[device]
+    for key in ("num_processes", "threads", "mixed_precision", "num_machines", "machine_rank",
+                "main_process_ip", "main_process_port", "offload_optimizer", "offload_params"):
+        assert key in d  # inherited from cpu.yaml
+    launch.strategy(d)
+
+
+def test_device_choice_beats_the_recipe_and_keys_override():
+    cfg = compose("sft", ["recipe=qwen3-0.6b", "device=zero3", "device.num_processes=8",
+                          "device.offload_optimizer=true"])
+    assert cfg.device.name == "zero3" and cfg.device.num_processes == 8 and cfg.device.offload_optimizer
+
+
+@pytest.mark.parametrize("device", ["ddp", "cpu-ddp", "zero2", "zero3", "fsdp"])
+def test_accelerate_config_parses(device, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    cfg = compose("sft", [f"device={device}", "device.num_processes=4"])
+    path = launch.write_accelerate_config(cfg, tmp_path)
+    loaded = load_config_from_file(str(path))
+    want = {"ddp": DistributedType.MULTI_GPU, "cpu-ddp": DistributedType.MULTI_GPU,
+            "zero2": DistributedType.DEEPSPEED, "zero3": DistributedType.DEEPSPEED,
+            "fsdp": DistributedType.FSDP}[device]
+    assert loaded.distributed_type == want
+    assert loaded.num_processes == 4 and loaded.num_machines == 1 and loaded.main_process_port == 0
+    if device.startswith("zero"):
+        assert loaded.deepspeed_config["zero_stage"] == int(device[-1])
+    if device == "fsdp":
+        assert loaded.fsdp_config["fsdp_version"] == 2
+        assert loaded.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+
+
+def test_multi_node_settings_pass_through(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    ov = ["device=zero2", "device.num_processes=8", "device.num_machines=2", "device.machine_rank=1",
+          "device.main_process_ip=10.1.2.3", "device.main_process_port=29600"]
+    loaded = load_config_from_file(str(launch.write_accelerate_config(compose("sft", ov), tmp_path)))
+    # accelerate counts processes over all machines
+    assert (loaded.num_processes, loaded.num_machines, loaded.machine_rank) == (16, 2, 1)
+    assert (loaded.main_process_ip, loaded.main_process_port) == ("10.1.2.3", 29600)
+    assert loaded.deepspeed_config["deepspeed_multinode_launcher"] == "standard"
+    argv = launch.launch_argv(compose("sft", ["device=ddp", *ov[1:]]), ["device=ddp"])
+    i = argv.index("--num_processes")
+    assert argv[i + 1] == "16"
+    for flag, value in (("--machine_rank", "1"), ("--main_process_ip", "10.1.2.3"), ("--num_machines", "2"),
+                        ("--main_process_port", "29600")):
+        assert argv[argv.index(flag) + 1] == value
+
+
+@pytest.mark.parametrize("stage,offload", [(2, False), (2, True), (3, False), (3, True)])
+def test_deepspeed_dict(stage, offload):
+    d = compose("sft", [f"device=zero{stage}", f"device.offload_optimizer={offload}",
+                        f"device.offload_params={offload}"]).device
+    ds = json.loads(json.dumps(launch.deepspeed_config(d)))  # plain JSON, as DeepSpeed reads it
+    z = ds["zero_optimization"]
+    assert z["stage"] == stage
+    assert ("offload_optimizer" in z) == offload
+    assert ("offload_param" in z) == (offload and stage == 3)
+    assert z.get("stage3_gather_16bit_weights_on_model_save", False) == (stage == 3)
+    # batch sizes, accumulation, clipping and precision are left to the trainer, so they cannot disagree
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert ds[key] == "auto"
+    assert launch.trainer_strategy_kwargs(d) == {"deepspeed": launch.deepspeed_config(d)}
+    assert launch.is_sharded(d) == (stage == 3)
+
+
+def test_fsdp_settings_are_trainingarguments():
+    from transformers import TrainingArguments
+
+    d = compose("sft", ["device=fsdp", "device.offload_params=true"]).device
+    kw = launch.trainer_strategy_kwargs(d)
+    assert kw["fsdp"] is True and kw["fsdp_config"]["cpu_offload"] is True
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **kw)
+    assert args.fsdp_plugin_args["fsdp_version"] == 2
+    assert args.fsdp_plugin_args["auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert args.fsdp_plugin_args["state_dict_type"] == "FULL_STATE_DICT"
+    assert launch.is_sharded(d)
+    assert launch.trainer_strategy_kwargs(compose("sft", ["device=ddp"]).device) == {}
+
+
+# -------------------------------------------------------------------------------------- dry runs (real CLI)
+def test_ppo_ddp_dry_run_prints_the_launch_line(run_cli):
+    rc, out, err = run_cli("ppo", "device=ddp", "dry_run=true", "ppo.kl_coef=0.1")
+    assert rc == 0, err
+    line = out.strip().splitlines()[0]
+    argv = shlex.split(line)
+    assert (argv[0].endswith("accelerate") and argv[1] == "launch"
+            or argv[1:3] == ["-m", "accelerate.commands.launch"])
+    assert "--multi_gpu" in argv
+    assert argv[argv.index("--num_processes") + 1] == "2"  # ddp.yaml's default
+    assert argv[argv.index("--num_machines") + 1] == "1"
+    assert argv[argv.index("--dynamo_backend") + 1] == "no"
+    tail = argv[argv.index("-m") :]
+    # the started processes run this command with the same overrides (and without dry_run)
+    assert tail == ["-m", "rlhf_cli.cli", "ppo", "device=ddp", "ppo.kl_coef=0.1"]
+
+
+def test_dry_run_with_process_count_and_cpu_processes(run_cli):
+    rc, out, err = run_cli("sft", "device=ddp", "device.num_processes=4", "dry_run=true")
+    assert rc == 0, err
+    argv = shlex.split(out.strip().splitlines()[0])
+    assert argv[argv.index("--num_processes") + 1] == "4"
+    assert argv[-3:] == ["sft", "device=ddp", "device.num_processes=4"]
+    rc, out, err = run_cli("reward", "device=cpu-ddp", "dry_run=true")
+    assert rc == 0, err
+    argv = shlex.split(out.strip().splitlines()[0])
+    assert "--multi_gpu" in argv and argv[argv.index("--num_cpu_threads_per_process") + 1] == "1"
+
+
+def test_deepspeed_dry_run_uses_a_config_file(run_cli, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    rc, out, err = run_cli("sft", "device=zero3", "dry_run=true")
+    assert rc == 0, err
+    argv = shlex.split(out.strip().splitlines()[0])
+    path = argv[argv.index("--config_file") + 1]
+    assert load_config_from_file(path).deepspeed_config["zero_stage"] == 3
+    assert "zero_stage: 3" in out  # the file's contents are shown under the line
+
+
+def test_single_process_dry_run(run_cli):
+    rc, out, err = run_cli("sft", "dry_run=true", "sft.max_steps=3")
+    assert rc == 0, err
+    assert out.strip().endswith("-m rlhf_cli.cli sft sft.max_steps=3")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["ppo", "device=zero2"], "ppo runs under ddp"),
+    (["ppo", "device=zero3"], "ppo runs under ddp"),
+    (["ppo", "device=fsdp"], "ppo runs under ddp"),
+    (["sft", "device=zero3", "sft.lora.enabled=true"], "unsharded weights"),
+    (["sft", "device=cpu-ddp", "device.num_processes=1"], "single-process run"),
+    (["sft", "device=cuda", "device.num_processes=4"], "device=ddp device.num_processes=4"),
+    (["sft", "device=ddp", "device.num_machines=2"], "main_process_ip"),
+    (["sft", "device=zero2", "device.accelerator=cpu"], "DeepSpeed needs GPUs"),
+    (["sft", "device=ddp", "device.strategy=mpi"], "device.strategy=mpi is unknown"),
+])
+def test_unsupported_combinations_fail_fast(run_cli, args, needle):
+    rc, out, err = run_cli(*args, "dry_run=true")
+    assert rc == 2, (out, err)
+    assert needle in err and err.count("\n") == 1  # one line
+
+
+def test_launched_processes_do_not_launch_again(monkeypatch, tmp_path, capsys):
+    cfg = compose("sft", ["device=cpu-ddp", "dry_run=true"])
+    assert launch.handle(cfg, ["device=cpu-ddp"], tmp_path) == 0  # the launching process: prints the line
+    assert "--multi_gpu" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launch.handle(cfg, ["device=cpu-ddp"], tmp_path) is None  # a started process: runs the stage
+    with pytest.raises(RlhfError, match="ppo runs under ddp"):
+        launch.handle(compose("ppo", ["device=zero2"]), [], tmp_path)  # still checked in each process
+
+
+def test_child_overrides_drop_what_the_dispatcher_adds():
+    task = ["hydra.searchpath=[file:///x]", "command=sft", "recipes=qwen3-0.6b", "device=ddp", "dry_run=true",
+            "chat.prompt='a b'"]
+    assert launch.child_overrides(task) == ["recipes=qwen3-0.6b", "device=ddp", "chat.prompt='a b'"]
+
+
+def test_eval_ignores_the_training_strategy(run_cli):
+    rc, out, err = run_cli("eval", "device=ddp", "dry_run=true")
+    assert rc == 0, err
+    assert "accelerate" not in out and out.strip().endswith("-m rlhf_cli.cli eval device=ddp")
+
+
+def test_yaml_of_every_device_file_is_small_and_inherits():
+    for name in DEVICES:
+        data = yaml.safe_load((CONF_DIR / "device" / f"{name}.yaml").read_text())
+        if name != "cpu":
+            assert data["defaults"][0] in DEVICES  # starts from another device file
+            assert len(data) <= 8

@@ -1,0 +1,150 @@
+"""The PPO sampling loop: same tokens and logits as generate() where both are deterministic, stop handling,
+EOS masking for fixed-length responses, the categorical draw, and LoRA-merged sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo import rollout as ro
+
+PAD, EOS, V = 0, 1, 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def gen_config(**kw):
+    from transformers import GenerationConfig
+
+    base = dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, pad_token_id=PAD,
+                eos_token_id=[EOS], use_cache=True, return_dict_in_generate=True, output_logits=True)
+    base.update(kw)
+    return GenerationConfig(**base)
+
+
+def prompts():
+    ids = torch.tensor([[PAD, PAD, 5, 6, 7], [8, 9, 10, 11, 12], [PAD, 13, 14, 15, 16]])
+    return ids, (ids != PAD).long()
+
+
+@torch.no_grad()
+def test_greedy_matches_generate(model):
+    ids, mask = prompts()
+    g = gen_config(do_sample=False, temperature=None, top_k=None, top_p=None)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=g)
+    r = ro.sample_loop(model, ids, mask, ro._effective_generation_config(model, g), [EOS], keep_logits=True)
+    resp, logits = r["response"], r["logits"]
+    ref = out.sequences[:, ids.shape[1]:]
+    assert torch.equal(resp, ref[:, : resp.shape[1]])
+    torch.testing.assert_close(logits, torch.stack(out.logits, 1)[:, : resp.shape[1]], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_stop_pads_after_the_stop_token_and_ends_early(model):
+    ids, mask = prompts()
+    # make EOS by far the likeliest token: every row stops at its first step
+    bias = torch.zeros(V)
+    bias[EOS] = 100.0
+    model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    try:
+        resp = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=6), [EOS], 0.7)["response"]
+        assert resp.shape == (3, 1) and resp[:, 0].tolist() == [EOS] * 3
+        out = ro.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask, gen_config(max_new_tokens=6),
+                                [EOS], 0.7, None)
+        assert out["response"].tolist() == [[EOS]] * 3 and out["mask"].tolist() == [[1.0]] * 3
+        # fixed length (no stop token): EOS is masked for min_new_tokens steps, the loop runs to the end
+        r = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=6, min_new_tokens=6), [], 0.7,
+                           keep_logits=True)
+        resp, logits = r["response"], r["logits"]
+        assert resp.shape == (3, 6) and not (resp == EOS).any()
+        assert logits.shape == (3, 6, V) and (logits.argmax(-1) == EOS).all()  # raw logits, not the masked ones
+    finally:
+        model.lm_head.bias = None
+
+
+@torch.no_grad()
+def test_sampled_tokens_follow_the_logits(model):
+    ids, mask = prompts()
+    torch.manual_seed(1)
+    r = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=5, top_k=1), [], 0.7, keep_logits=True)
+    resp, logits = r["response"], r["logits"]
+    assert torch.equal(resp, logits.argmax(-1))  # top-k 1 is greedy
+    # step-by-step log-probs and entropies are those of the stacked logits at the scoring temperature
+    lp, ent = core.logprobs_and_entropy(logits, resp, 0.7)
+    torch.testing.assert_close(r["logprobs"], lp)
+    torch.testing.assert_close(r["entropy"], ent)
+    # sampling at the scoring temperature (the PPO case) draws from the same distribution it scores
+    torch.manual_seed(2)
+    r2 = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=5), [], 0.7, keep_logits=True)
+    lp2, ent2 = core.logprobs_and_entropy(r2["logits"], r2["response"], 0.7)
+    torch.testing.assert_close(r2["logprobs"], lp2)
+    torch.testing.assert_close(r2["entropy"], ent2)
+    # the logits are those of a full forward over prompt + response (the old log-probs of PPO)
+    full = torch.cat([ids, resp], 1)
+    am = torch.cat([mask, torch.ones_like(resp)], 1)
+    torch.testing.assert_close(ro.policy_logits(model, full, am, ro.position_ids_from(am), 5), logits,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_draw_samples_the_categorical_distribution():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(3, 7) * 2, -1)
+    p[:, 2] = 0.0
+    p[2] = 0.0
+    p[2, 6] = 1.0  # a row with all mass on the last token
+    p = p / p.sum(-1, keepdim=True)
+    n = 20000
+    counts = torch.zeros(3, 7)
+    for _ in range(n):
+        counts[torch.arange(3), ro._draw(p)] += 1
+    assert counts[:, 2].sum() == 0 and counts[2, 6] == n
+    assert (counts / n - p).abs().max() < 0.015
+
+
+@torch.no_grad()
+def test_lora_merged_sampling_matches_the_adapter_and_restores_weights(model):
+    from peft import LoraConfig, get_peft_model
+
+    import copy
+
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                         task_type="CAUSAL_LM")).eval()
+    for name, p in pm.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.1)
+    before = {n: (p.data_ptr(), p.clone()) for n, p in pm.named_parameters()}
+    ids, mask = prompts()
+    g = gen_config(max_new_tokens=5)
+    torch.manual_seed(3)
+    a = ro.sample_loop(pm, ids, mask, g, [], 0.7, keep_logits=True)
+    torch.manual_seed(3)
+    with ro.lora_merged(pm):
+        b = ro.sample_loop(pm, ids, mask, g, [], 0.7, keep_logits=True)
+    resp_a, logits_a, resp_b, logits_b = a["response"], a["logits"], b["response"], b["logits"]
+    torch.testing.assert_close(logits_b, logits_a, atol=1e-5, rtol=1e-5)
+    assert torch.equal(resp_a, resp_b)
+    for n, p in pm.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+    # the adapter is active again afterwards: outputs differ from the base model's
+    with pm.disable_adapter():
+        base = pm(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(pm(input_ids=ids, attention_mask=mask).logits, base)
+
+
+@torch.no_grad()
+def test_generate_chunk_falls_back_to_generate_for_other_settings(model):
+    ids, mask = prompts()
+    g = gen_config(max_new_tokens=4, repetition_penalty=1.3)
+    assert not ro._loop_supported(ro._effective_generation_config(model, g))
+    out = ro.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask, g, [EOS], 0.7, None)
+    assert out["response"].shape[0] == 3 and out["logprobs"].shape == out["entropy"].shape
