@@ -112,16 +112,6 @@ def check_prompt_tokens(wdir: Path, cfg, policy_dir: Path) -> int:
     return len(ours)
 
 
-def read_scalars(tb_dir: Path, tag: str) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags().get("scalars", []):
-        return []
-    return [e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step)]
-
-
 # ----------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     a = parse_args(argv)
@@ -193,7 +183,6 @@ def main(argv=None) -> int:
         "ppo.merge=false",
     ]
     cfg = compose("ppo", overrides)
-    n_prompts = check_prompt_tokens(wdir, cfg, paths["policy"])
 
     # ---- instrumentation: update stamps, the final save, trainable parameter count -------------------
     stamps: list[float] = []
@@ -219,6 +208,17 @@ def main(argv=None) -> int:
         captured["models"] = out[:3]
         return out
 
+    # scores as the stage logs them (reading the event files afterwards would add to the peak RSS)
+    from torch.utils.tensorboard import SummaryWriter
+
+    logged: dict[str, list[float]] = {}
+    real_add_scalar = SummaryWriter.add_scalar
+
+    def add_scalar(self, tag, value, *args, **kw):
+        logged.setdefault(tag, []).append(float(value))
+        return real_add_scalar(self, tag, value, *args, **kw)
+
+    SummaryWriter.add_scalar = add_scalar
     ppo_mod.PromptStream.take = take
     ppo_mod.save_checkpoint = save_checkpoint
     ppo_mod.build_models = build_models
@@ -245,8 +245,11 @@ def main(argv=None) -> int:
         ppo_mod.PromptStream.take = real_take
         ppo_mod.save_checkpoint = real_save
         ppo_mod.build_models = real_build
+        SummaryWriter.add_scalar = real_add_scalar
     t_run1 = time.perf_counter()
 
+    # after the run, so that the check's tokenizers and rows are not part of the measured peak RSS
+    n_prompts = check_prompt_tokens(wdir, cfg, paths["policy"])
     out_dir = run_dir / "ppo"
     summary = json.loads((out_dir / "metrics.json").read_text())
     stage_train_s = float(summary["train_seconds"])
@@ -259,7 +262,7 @@ def main(argv=None) -> int:
         s_per_update = [round(train_s / a.updates, 4)] * a.updates
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
-    scores = read_scalars(out_dir / "tensorboard", "objective/scores")
+    scores = logged.get("objective/scores", [])
     policy, _ref, value = captured.get("models", (None, None, None))
     trainable = None
     if policy is not None:

@@ -256,8 +256,9 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               "model loading excluded on both sides). Peak RSS is the process's maximum resident set. "
               f"Runs alternate between the sides ({runs_meta.get('reps', '?')} each), one process per run. "
               "Settings: 32 episodes per update (8 × 4 accumulation), rollout batch 32, 2 PPO epochs, "
-              "1 mini-batch, lr 5e-6, temperature 0.7, no stop token, fp32 CPU; tiny: 8 updates × 32 tokens, "
-              "small: 4 updates × 64 tokens.", "",
+              "1 mini-batch, lr 5e-6, temperature 0.7, no stop token, fp32 CPU; "
+              + ", ".join(f"{w}: {sh['updates']} updates × {sh['response_length']} tokens"
+                          for w, sh in runs_meta.get("shapes", FULL).items()) + ".", "",
               "| workload | variant | side | episodes/s | s per update | peak RSS (MB) | runs |",
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():

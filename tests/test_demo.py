@@ -98,7 +98,7 @@ def test_is_polite_on_all_data(splits):
 def test_unhelpful_negatives_are_polite_but_empty(splits):
     for rows in splits:
         unhelpful = [r for r in rows if is_polite(r["rejected"])]
-        assert 0.05 <= len(unhelpful) / len(rows) <= 0.15
+        assert 0.02 <= len(unhelpful) / len(rows) <= 0.1
         assert all(_unhelpful(r) for r in unhelpful)
 
 

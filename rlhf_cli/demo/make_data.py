@@ -7,7 +7,7 @@ Each pair shares a question and a topic-specific helpful sentence; the answers d
   are polite in places, so that a reward model cannot judge a reply by its opening or its ending alone:
   20% rude opener + body + polite closing, 15% polite opener + body + rude closing, 15% polite opener +
   body + a rude remark + polite closing (rude only in the middle), and 15% polite at both ends with a rude
-  word slipped inside the helpful sentence. A further 10% of rejected answers are
+  word slipped inside the helpful sentence. A further 5% of rejected answers are
   polite but unhelpful (opener + closing, no body), so a reward model also asks for the content and a policy
   cannot win by saying only "Thank you for asking!".
 
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 HARD_NEGATIVE_RATE = 0.2  # rejected answers with a rude opener and a polite closing
-UNHELPFUL_RATE = 0.1  # rejected answers that are polite but have no body
+UNHELPFUL_RATE = 0.05  # rejected answers that are polite but have no body
 POLITE_OPENER_RATE = 0.15  # each of: polite opener + rude closing; polite opener + rude middle + polite closing
 RUDE_INSIDE_RATE = 0.15  # polite at both ends, a rude word slipped inside the helpful sentence
 TEST_TOPICS_PER_LANGUAGE = 10

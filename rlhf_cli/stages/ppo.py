@@ -141,7 +141,8 @@ def rollout(prompts: list[str], tok, policy, ref, value_model, reward_model, p, 
         ctx = policy.disable_adapter() if ref is None else contextlib.nullcontext()
         with ctx:
             ref_logits = policy_logits(ref if ref is not None else policy, input_ids, attn, pos, R)
-        ref_logprobs = core.logprobs_from_logits(ref_logits, resp, float(p.temperature))
+        # divided in place (the same numbers as passing the temperature): one (B, R, V) buffer less at the peak
+        ref_logprobs = core.logprobs_from_logits(ref_logits.div_(float(p.temperature)), resp, 1.0)
         del ref_logits
         values = response_slice(value_model(input_ids, attn, pos), R)
         last = q_ids.shape[1] + core.last_token_index(rmask)
@@ -274,6 +275,9 @@ def run(cfg) -> None:
                               num_warmup_steps=int(float(p.warmup_ratio) * total_steps),
                               num_training_steps=total_steps)
     policy, value_model, optimizer = accelerator.prepare(policy, value_model, optimizer)
+    if world > 1:
+        # weights are already in sync (DDP broadcasts rank 0's); sampling must differ between ranks
+        torch.manual_seed(int(cfg.seed) + rank)
     unwrapped = accelerator.unwrap_model(policy)
     kl_ctl = (core.AdaptiveKLController(float(p.kl_coef), float(p.target_kl_value), float(p.kl_horizon))
               if p.adaptive_kl else core.FixedKLController(float(p.kl_coef)))
