@@ -66,6 +66,16 @@ def window_gain(xs: list[float], w: int) -> dict:
     return {"first": round(first, 4), "last": round(last, 4), "gain": round(last - first, 4)}
 
 
+def inputs_digest() -> dict:
+    """What the SFT policy and reward model depend on: a change retrains them."""
+    import hashlib
+
+    files = [REPO / "rlhf_cli" / "demo" / "data" / "polite_train.jsonl", REPO / "rlhf_cli" / "demo" / "data" /
+             "polite_test.jsonl", REPO / "recipes" / "tiny.yaml", REPO / "conf" / "stage" / "sft.yaml",
+             REPO / "conf" / "stage" / "reward.yaml", REPO / "conf" / "model" / "tiny.yaml", REPO / "rlhf_cli" / "tiny.py"]
+    return {str(f.relative_to(REPO)): hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files if f.exists()}
+
+
 def render_prompts(work: Path, out: Path) -> dict:
     """The stage's own rendering of the training prompts (chat template, length filter)."""
     from rlhf_cli import data as D
@@ -102,10 +112,18 @@ def main(argv=None) -> int:
     log = work / "learning.log"
     runs = work / "runs" / "tiny"
     t_start = time.perf_counter()
-    if not ((runs / "sft" / "config.json").exists() and (runs / "reward" / "config.json").exists()):
+    marker = runs / "bench_inputs.json"
+    inputs = inputs_digest()
+    fresh = marker.exists() and json.loads(marker.read_text()) == inputs
+    if not (fresh and (runs / "sft" / "config.json").exists() and (runs / "reward" / "config.json").exists()):
         print("learning: rlhf sft + rlhf reward (tiny recipe)", flush=True)
+        import shutil
+
+        shutil.rmtree(runs, ignore_errors=True)  # base, SFT, RM and PPO runs of older inputs
+        runs.mkdir(parents=True)
         sh([RLHF, "sft", f"device.threads={a.threads}"], work, log, a.threads)
         sh([RLHF, "reward", f"device.threads={a.threads}"], work, log, a.threads)
+        marker.write_text(json.dumps(inputs, indent=1) + "\n")
     prompts_file = work / "trl_prompts.jsonl"
     settings = render_prompts(work, prompts_file)
     episodes = int(a.episodes or settings["total_episodes"])
