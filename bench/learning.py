@@ -8,9 +8,11 @@ Run with the project's environment (bench/run.py calls it):
    (skipped when runs/tiny/{sft,reward} already exist).
 2. The demo train questions are rendered with the SFT tokenizer's chat template, exactly as the rlhf stage
    renders them, and written for the TRL side.
-3. Per seed, both sides train with the tiny recipe's PPO settings (lr, kl_coef, epochs, episodes, response
-   length, temperature; LoRA r 8 / alpha 16, value model from the RM, responses cut at EOS), on the same
-   objective: raw RM scores (ppo.normalize_scores=false), no empty-response or missing-EOS penalty.
+3. Per seed, both sides train with the tiny recipe's PPO settings, read from rlhf's composed config and given
+   to both (lr and schedule, kl_coef, epochs, episodes, batch sizes, mini-batches, GAE and clipping constants,
+   response length, temperature, LoRA rank/alpha on all linear layers; value model from the RM, responses cut
+   at EOS), on the same objective: raw RM scores (ppo.normalize_scores=false), no empty-response or
+   missing-EOS penalty.
 4. Per update each side records the mean raw RM score and the rule-checked polite rate of its own training
    samples (rlhf_cli.demo.is_polite). Then `rlhf eval` scores the SFT policy and both PPO policies on the same
    held-out prompts with the same sampling seed.
@@ -76,8 +78,17 @@ def inputs_digest() -> dict:
     return {str(f.relative_to(REPO)): hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files if f.exists()}
 
 
+# PPO settings both sides take from the tiny recipe (rlhf's own config): the comparison is at equal settings
+SHARED = ("learning_rate", "kl_coef", "num_ppo_epochs", "total_episodes", "response_length", "temperature",
+          "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "rollout_forward_batch_size",
+          "warmup_ratio", "lr_scheduler_type", "weight_decay", "max_grad_norm", "gamma", "lam", "cliprange",
+          "cliprange_value", "vf_coef", "kl_estimator", "whiten_rewards")
+
+
 def render_prompts(work: Path, out: Path) -> dict:
     """The stage's own rendering of the training prompts (chat template, length filter)."""
+    from omegaconf import OmegaConf
+
     from rlhf_cli import data as D
     from rlhf_cli.config import compose
     from rlhf_cli.models import load_tokenizer
@@ -92,9 +103,10 @@ def render_prompts(work: Path, out: Path) -> dict:
         for ex in train:
             f.write(json.dumps({"prompt": D.prompt_text(tok, ex.prompt, thinking, templ)}, ensure_ascii=False) + "\n")
     p = cfg.ppo
-    return {"learning_rate": float(p.learning_rate), "kl_coef": float(p.kl_coef), "num_ppo_epochs": int(p.num_ppo_epochs),
-            "total_episodes": int(p.total_episodes), "response_length": int(p.response_length),
-            "temperature": float(p.temperature), "n_prompts": len(train)}
+    settings = {k: (OmegaConf.to_container(p[k]) if OmegaConf.is_config(p[k]) else p[k]) for k in SHARED}
+    settings["lora"] = {k: p.lora[k] for k in ("r", "alpha", "dropout", "target_modules")}
+    settings["n_prompts"] = len(train)
+    return settings
 
 
 def main(argv=None) -> int:
@@ -128,23 +140,30 @@ def main(argv=None) -> int:
     settings = render_prompts(work, prompts_file)
     episodes = int(a.episodes or settings["total_episodes"])
     settings["total_episodes"] = episodes
+    if settings["whiten_rewards"] or settings["kl_estimator"] not in ("k1", "k3"):
+        raise SystemExit("the comparison needs ppo.whiten_rewards=false and a k1/k3 KL estimator (TRL's)")
+    settings_file = work / "ppo_settings.json"
+    settings_file.write_text(json.dumps(settings, indent=1) + "\n")
+    def ov(v):
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    pinned = [f"ppo.{k}={ov(settings[k])}" for k in SHARED]
+    pinned += [f"ppo.lora.{k}={ov(v)}" for k, v in settings["lora"].items() if k != "target_modules" or isinstance(v, str)]
 
     per_seed = []
     for seed in a.seeds:
         ours_dir, trl_dir = runs / f"ppo_rlhf_s{seed}", runs / f"ppo_trl_s{seed}"
         print(f"learning: seed {seed}: rlhf ppo", flush=True)
         t0 = time.perf_counter()
-        sh([RLHF, "ppo", f"seed={seed}", f"ppo.output_dir={ours_dir}", f"ppo.total_episodes={episodes}",
-            "ppo.normalize_scores=false", "ppo.empty_response_penalty=null", "ppo.missing_eos_penalty=null",
+        sh([RLHF, "ppo", f"seed={seed}", f"ppo.output_dir={ours_dir}", *pinned, "ppo.value_init=reward",
+            "ppo.stop_token=eos", "ppo.normalize_scores=false", "ppo.empty_response_penalty=null", "ppo.missing_eos_penalty=null",
             "ppo.sample_every=0", f"device.threads={a.threads}"], work, log, a.threads)
         ours_s = time.perf_counter() - t0
         print(f"learning: seed {seed}: TRL 1.12 PPOTrainer", flush=True)
         trl_json = work / f"trl_demo_s{seed}.json"
         sh([TRL_PY, HERE / "trl_demo.py", "--policy-dir", runs / "sft", "--reward-dir", runs / "reward",
-            "--prompts", prompts_file, "--episodes", episodes, "--lr", settings["learning_rate"],
-            "--kl-coef", settings["kl_coef"], "--response-length", settings["response_length"],
-            "--temperature", settings["temperature"], "--epochs", settings["num_ppo_epochs"], "--seed", seed,
-            "--threads", a.threads, "--save-dir", trl_dir, "--out", trl_json], work, log, a.threads)
+            "--prompts", prompts_file, "--settings", settings_file, "--seed", seed, "--threads", a.threads,
+            "--save-dir", trl_dir, "--out", trl_json], work, log, a.threads)
         trl = json.loads(trl_json.read_text())
         print(f"learning: seed {seed}: rlhf eval (sft, rlhf, trl on held-out prompts)", flush=True)
         eval_dir = runs / f"eval_s{seed}"
@@ -198,7 +217,7 @@ def main(argv=None) -> int:
     summary["target_rm_gain_met"] = r["heldout_rm_gain_mean"] >= t["heldout_rm_gain_mean"]
     summary["target_polite_gain_met"] = r["heldout_polite_gain_mean"] >= t["heldout_polite_gain_mean"]
     result = {"task": "demo (polite answers), tiny recipe", "settings": {**settings, "window_updates": a.window,
-              "seeds": a.seeds, "normalize_scores": False, "stop": "eos", "lora": "r8 alpha16 all-linear"},
+              "seeds": a.seeds, "normalize_scores": False, "stop": "eos"},
               "per_seed": per_seed, "summary": summary, "wall_s": round(time.perf_counter() - t_start, 1)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -246,7 +246,7 @@ def fmt3(st: dict, nd: int = 2) -> str:
 def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta: dict) -> str:
     L = ["# PPO benchmark: rlhf vs TRL 1.12 PPOTrainer", ""]
     L += [f"Machine: {meta.get('machine', '?')}; torch threads per process: {meta.get('threads')}; "
-          f"generated {meta.get('date', '?')} by `{meta.get('command', 'bench/run.py')}` "
+          f"generated {meta.get('date', '?')} by `{meta.get('command', 'bench/run.py').strip()}` "
           f"({meta.get('wall_min', '?')} min).", ""]
     if speed_res:
         runs_meta = speed_res.get("settings", {})
@@ -327,9 +327,12 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
         st = learn["settings"]
         L += ["## Learning at equal episodes (demo task)", "",
               f"Both sides start from the same `rlhf sft` policy and `rlhf reward` model (tiny recipe) and train "
-              f"{st['total_episodes']} episodes on the demo train questions (chat template), lr {st['learning_rate']:g}, "
-              f"kl_coef {st['kl_coef']:g}, {st['num_ppo_epochs']} PPO epochs, {st['response_length']}-token "
-              f"responses cut at EOS, temperature {st['temperature']:g}, LoRA r 8, raw RM scores; seeds "
+              f"with the tiny recipe's PPO settings, given to both: {st['total_episodes']} episodes on the demo train "
+              f"questions (chat template), {batch_text(st)}, {st['num_ppo_epochs']} PPO epochs, lr "
+              f"{st['learning_rate']:g} ({st.get('lr_scheduler_type', 'linear')}, warmup {st.get('warmup_ratio', 0):g}), "
+              f"kl_coef {st['kl_coef']:g}, γ {st.get('gamma', 1):g}, λ {st.get('lam', 0.95):g}, "
+              f"{st['response_length']}-token responses cut at EOS, temperature {st['temperature']:g}, {lora_text(st)}, "
+              "value model from the RM, raw RM scores (no normalisation or penalties); seeds "
               f"{', '.join(map(str, st['seeds']))}. Gains: mean of the last {st['window_updates']} updates minus "
               f"mean of the first {st['window_updates']} (training samples). Held-out: `rlhf eval` on the demo "
               "test questions, same sampling seed for every policy; polite = `rlhf_cli.demo.is_polite`.", "",
@@ -349,7 +352,8 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
         L += ["", f"Mean over seeds, held-out gain over the SFT start: RM score rlhf {s['rlhf']['heldout_rm_gain_mean']:+.3f} "
               f"vs TRL {s['trl']['heldout_rm_gain_mean']:+.3f}; polite rate rlhf "
               f"{s['rlhf']['heldout_polite_gain_mean']:+.3f} vs TRL {s['trl']['heldout_polite_gain_mean']:+.3f} "
-              f"(SFT {s['sft']['heldout_polite_mean']:.3f}). Training-sample gains: RM rlhf "
+              f"(SFT {s['sft']['heldout_polite_mean']:.3f}); KL to the reference (nats per response) rlhf "
+              f"{s['rlhf']['heldout_kl_mean']:.2f} vs TRL {s['trl']['heldout_kl_mean']:.2f}. Training-sample gains: RM rlhf "
               f"{s['rlhf']['train_rm_gain_mean']:+.3f} vs TRL {s['trl']['train_rm_gain_mean']:+.3f}; polite rlhf "
               f"{s['rlhf']['train_polite_gain_mean']:+.3f} vs TRL {s['trl']['train_polite_gain_mean']:+.3f}. "
               "The first training batches of the two sides come from the same SFT policy and differ only by "
@@ -366,6 +370,18 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
           "bench/.venv-trl112/bin/python bench/trl_side.py --workload-dir bench/work/tiny --variant lora "
           "--updates 8 --response-length 32 --threads 1 [--no-gc] --out t.json", "```", ""]
     return "\n".join(L)
+
+
+def batch_text(st: dict) -> str:
+    if "per_device_train_batch_size" not in st:
+        return "32 episodes per update"
+    micro, acc, mini = st["per_device_train_batch_size"], st["gradient_accumulation_steps"], st["num_mini_batches"]
+    return f"{micro * acc * mini} episodes per update ({micro} × {acc} accumulation × {mini} mini-batches)"
+
+
+def lora_text(st: dict) -> str:
+    lo = st.get("lora")
+    return f"LoRA r {lo['r']} / alpha {lo['alpha']} on {lo['target_modules']}" if lo else "LoRA"
 
 
 def targets(speed_res: dict | None, learn: dict | None) -> list[tuple[str, str, bool]]:
@@ -472,7 +488,8 @@ def main(argv=None) -> int:
             if r.returncode != 0:
                 raise SystemExit("learning comparison failed; see bench/work/demo/learning.log")
     speed_res = load("speed.json")
-    if a.report_only:
+    if a.report_only or "speed" not in parts:
+        # the header describes the speed runs; the learning section states its own settings
         meta = (speed_res or {}).get("meta", meta)
     else:
         meta["wall_min"] = round((time.perf_counter() - t_start) / 60, 1)

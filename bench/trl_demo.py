@@ -3,14 +3,15 @@
 Run inside bench/.venv-trl112 (see bench/setup_trl_env.sh); bench/learning.py prepares the inputs:
 
     bench/.venv-trl112/bin/python bench/trl_demo.py --policy-dir SFT_DIR --reward-dir RM_DIR \
-        --prompts prompts.jsonl --episodes 1536 --lr 2e-3 --kl-coef 0.05 --save-dir OUT --out result.json
+        --prompts prompts.jsonl --settings ppo_settings.json --save-dir OUT --out result.json
 
 The prompts file holds {"prompt": str} rows already rendered with the tokenizer's chat template (the rlhf
-side renders them the same way), tokenized here without special tokens. The run mirrors the rlhf demo
-run: LoRA r 8 / alpha 16 on all linear layers (reference = adapter disabled), value model initialised from
-the reward model, 32 episodes per update (8 x 4), 2 PPO epochs, 1 mini-batch, temperature 0.7, responses
-cut after the first EOS, no EOS penalty, raw reward-model scores. The forced gc.collect() calls are
-removed (they cost time, not learning).
+side renders them the same way), tokenized here without special tokens. The settings file holds the rlhf
+side's PPO settings (batch sizes, mini-batches, epochs, lr and schedule, KL coefficient, GAE and clipping
+constants, response length, temperature, LoRA rank/alpha/targets); the run mirrors the rlhf demo run with
+them: LoRA policy whose reference is the adapter disabled, value model initialised from the reward model,
+responses cut after the first EOS, no EOS penalty, raw reward-model scores. The forced gc.collect() calls
+are removed (they cost time, not learning).
 
 Per update it records the mean raw RM score (objective/scores), the KL and, from the sampled responses
 themselves, the rule-checked polite rate (rlhf_cli.demo.is_polite). The final adapter is saved to
@@ -36,12 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--policy-dir", required=True)
     p.add_argument("--reward-dir", required=True)
     p.add_argument("--prompts", required=True)
-    p.add_argument("--episodes", type=int, default=1536)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--response-length", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--settings", required=True, help="JSON: the PPO settings of the rlhf side (bench/learning.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--save-dir", required=True)
@@ -92,18 +88,28 @@ def main(argv=None) -> int:
     value = AutoModelForSequenceClassification.from_pretrained(a.reward_dir, num_labels=1, dtype=torch.float32)
     for m in (reward, value):
         m.config.pad_token_id = tok.pad_token_id
-    peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                             task_type=TaskType.CAUSAL_LM)
+    st = json.loads(Path(a.settings).read_text())
+    lo = st["lora"]
+    peft_config = LoraConfig(r=int(lo["r"]), lora_alpha=int(lo["alpha"]), lora_dropout=float(lo["dropout"]),
+                             target_modules=lo["target_modules"], task_type=TaskType.CAUSAL_LM)
 
     outdir = tempfile.mkdtemp(prefix="trl_ppo_demo_")
     cfg = PPOConfig(
         output_dir=outdir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
         eval_strategy="no", logging_steps=1, disable_tqdm=True, seed=a.seed,
-        per_device_train_batch_size=8, per_device_eval_batch_size=8, gradient_accumulation_steps=4,
-        local_rollout_forward_batch_size=32, num_ppo_epochs=a.epochs, num_mini_batches=1,
-        learning_rate=a.lr, kl_coef=a.kl_coef, temperature=a.temperature, response_length=a.response_length,
-        stop_token="eos", missing_eos_penalty=None, total_episodes=a.episodes, num_sample_generations=0,
-        dataloader_num_workers=0,
+        per_device_train_batch_size=int(st["per_device_train_batch_size"]), per_device_eval_batch_size=8,
+        gradient_accumulation_steps=int(st["gradient_accumulation_steps"]),
+        local_rollout_forward_batch_size=int(st["rollout_forward_batch_size"]),
+        num_ppo_epochs=int(st["num_ppo_epochs"]), num_mini_batches=int(st["num_mini_batches"]),
+        learning_rate=float(st["learning_rate"]), lr_scheduler_type=str(st["lr_scheduler_type"]),
+        # transformers 5: a warmup_steps value below 1 is a fraction of the run (ppo.warmup_ratio)
+        warmup_steps=float(st["warmup_ratio"]), weight_decay=float(st["weight_decay"]),
+        max_grad_norm=float(st["max_grad_norm"]), gamma=float(st["gamma"]), lam=float(st["lam"]),
+        cliprange=float(st["cliprange"]), cliprange_value=float(st["cliprange_value"]), vf_coef=float(st["vf_coef"]),
+        kl_coef=float(st["kl_coef"]), kl_estimator=str(st["kl_estimator"]), whiten_rewards=bool(st["whiten_rewards"]),
+        temperature=float(st["temperature"]), response_length=int(st["response_length"]),
+        stop_token="eos", missing_eos_penalty=None, total_episodes=int(st["total_episodes"]),
+        num_sample_generations=0, dataloader_num_workers=0,
     )
 
     logs: list[dict] = []
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
     result = {
         "side": "trl",
         "trl_version": trl.__version__,
-        "episodes": a.episodes,
+        "episodes": int(st["total_episodes"]),
         "seed": a.seed,
         "train_s": round(train_s, 3),
         "rm_scores": [l["objective/scores"] for l in logs],

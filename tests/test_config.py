@@ -54,7 +54,7 @@ def test_default_recipe_is_tiny_on_cpu_with_demo_data():
     assert cfg.data.train_path == str(PACKAGE_DIR / "demo/data/polite_train.jsonl")
     assert cfg.data.eval_path == str(PACKAGE_DIR / "demo/data/polite_test.jsonl")
     assert cfg.data.sft_on_rejected is True  # set by recipes/tiny.yaml
-    assert cfg.ppo.total_episodes == 1536
+    assert cfg.ppo.total_episodes == 4096
 
 
 def test_qwen_recipe_switches_model_device_and_data():
@@ -144,10 +144,10 @@ def ppo_cfg(**kw):
 
 def test_ppo_sizes_tiny_recipe():
     s = ppo_sizes(compose("ppo").ppo)
-    # 8 micro x 4 accumulation = 32 per step, 1 mini-batch -> 32 per update; 1536 / 32 = 48 updates
-    assert (s.local_mini_batch_size, s.local_batch_size, s.batch_size, s.mini_batch_size) == (32, 32, 32, 32)
+    # 8 micro x 4 accumulation = 32 per step, 2 mini-batches -> 64 per update; 4096 / 64 = 64 updates
+    assert (s.local_mini_batch_size, s.local_batch_size, s.batch_size, s.mini_batch_size) == (32, 64, 64, 32)
     assert s.rollout_forward_batch_size == 32
-    assert s.num_updates == 48
+    assert s.num_updates == 64
 
 
 def test_ppo_sizes_qwen_recipe_drops_the_remainder():

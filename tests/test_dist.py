@@ -141,7 +141,7 @@ def chain(tmp_path_factory):
     assert rc == 0, err[-3000:]
     # rank 0 prints the result line, rank 1's stdout is silenced
     assert sum(line.startswith("reward: held-out accuracy") for line in out.splitlines()) == 1
-    rc, out, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.sample_every=1")
+    rc, out, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1")
     assert rc == 0, err[-3000:]
     return root, run
 
@@ -195,7 +195,7 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
     assert list((run / "ppo" / "tensorboard").iterdir())
     AutoPeftModelForCausalLM.from_pretrained(run / "ppo")
     # resume continues the finished run on 2 processes: 2 more updates from checkpoint-2
-    rc, out, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=256", "ppo.resume=true", "ppo.save_every=1")
+    rc, out, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=256", "ppo.num_mini_batches=1", "ppo.resume=true", "ppo.save_every=1")
     assert rc == 0, err[-3000:]
     assert "resumed from" in out + err and "checkpoint-2" in out + err
     m = read(run / "ppo" / "metrics.json")

