@@ -110,6 +110,7 @@ def main(argv=None) -> int:
         temperature=float(st["temperature"]), response_length=int(st["response_length"]),
         stop_token="eos", missing_eos_penalty=None, total_episodes=int(st["total_episodes"]),
         num_sample_generations=0, dataloader_num_workers=0,
+        **({"adam_epsilon": float(st["adam_epsilon"])} if st.get("adam_epsilon") is not None else {}),
     )
 
     logs: list[dict] = []
