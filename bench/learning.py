@@ -9,10 +9,11 @@ Run with the project's environment (bench/run.py calls it):
 2. The demo train questions are rendered with the SFT tokenizer's chat template, exactly as the rlhf stage
    renders them, and written for the TRL side.
 3. Per seed, both sides train with the tiny recipe's PPO settings, read from rlhf's composed config and given
-   to both (lr and schedule, kl_coef, epochs, episodes, batch sizes, mini-batches, GAE and clipping constants,
+   to both (lr and schedule, kl_coef, epochs, episodes, batch sizes, GAE and clipping constants,
    response length, temperature, LoRA rank/alpha on all linear layers; value model from the RM, responses cut
    at EOS), on the same objective: raw RM scores (ppo.normalize_scores=false), no empty-response or
-   missing-EOS penalty.
+   missing-EOS penalty. One mini-batch per epoch on both sides: TRL's num_mini_batches does not change when it
+   steps (see render_prompts), so only that value means the same work on both.
 4. Per update each side records the mean raw RM score and the rule-checked polite rate of its own training
    samples (rlhf_cli.demo.is_polite). Then `rlhf eval` scores the SFT policy and both PPO policies on the same
    held-out prompts with the same sampling seed.
@@ -104,7 +105,14 @@ def render_prompts(work: Path, out: Path) -> dict:
             f.write(json.dumps({"prompt": D.prompt_text(tok, ex.prompt, thinking, templ)}, ensure_ascii=False) + "\n")
     p = cfg.ppo
     settings = {k: (OmegaConf.to_container(p[k]) if OmegaConf.is_config(p[k]) else p[k]) for k in SHARED}
-    settings["lora"] = {k: p.lora[k] for k in ("r", "alpha", "dropout", "target_modules")}
+    settings["lora"] = {k: (OmegaConf.to_container(p.lora[k]) if OmegaConf.is_config(p.lora[k]) else p.lora[k])
+                        for k in ("r", "alpha", "dropout", "target_modules")}
+    # TRL 1.12 takes one optimizer step per `gradient_accumulation_steps` micro-batches whatever its
+    # num_mini_batches (accelerate's accumulation spans its mini-batches), and its rollout batch is
+    # per-device × accumulation; rlhf takes one step per mini-batch over a rollout of per-device × accumulation ×
+    # mini-batches. The two mean the same only with one mini-batch, so both sides run with one.
+    settings["recipe_num_mini_batches"] = settings["num_mini_batches"]
+    settings["num_mini_batches"] = 1
     settings["n_prompts"] = len(train)
     return settings
 
@@ -145,10 +153,12 @@ def main(argv=None) -> int:
     settings_file = work / "ppo_settings.json"
     settings_file.write_text(json.dumps(settings, indent=1) + "\n")
     def ov(v):
+        if isinstance(v, list):
+            return "[" + ",".join(map(str, v)) + "]"
         return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
     pinned = [f"ppo.{k}={ov(settings[k])}" for k in SHARED]
-    pinned += [f"ppo.lora.{k}={ov(v)}" for k, v in settings["lora"].items() if k != "target_modules" or isinstance(v, str)]
+    pinned += [f"ppo.lora.{k}={ov(v)}" for k, v in settings["lora"].items()]
 
     per_seed = []
     for seed in a.seeds:

@@ -393,7 +393,13 @@ def batch_text(st: dict) -> str:
     if "per_device_train_batch_size" not in st:
         return "32 episodes per update"
     micro, acc, mini = st["per_device_train_batch_size"], st["gradient_accumulation_steps"], st["num_mini_batches"]
-    return f"{micro * acc * mini} episodes per update ({micro} × {acc} accumulation × {mini} mini-batches)"
+    text = f"{micro * acc * mini} episodes per update ({micro} × {acc} accumulation × {mini} mini-batches)"
+    recipe = st.get("recipe_num_mini_batches")
+    if recipe is not None and recipe != mini:
+        text += (f"; the recipe's {recipe} mini-batches become {mini} on both sides, because TRL 1.12 steps its "
+                 "optimizer once per accumulation window whatever its num_mini_batches, so only one mini-batch "
+                 "means the same work on both")
+    return text
 
 
 def lora_text(st: dict) -> str:

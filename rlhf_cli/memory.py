@@ -7,7 +7,7 @@ Parameters (Qwen3 / Llama-style decoder: RMSNorm, grouped-query attention, SwiGL
     embeddings V·h; per layer q h·(n_h·d) + k, v h·(n_kv·d) each + o (n_h·d)·h + MLP 3·h·i + norms 2h (+ 2d
     q/k norms); final norm h; LM head V·h unless tied. The reward / value model is the same backbone with a
     1-output score head (h) instead of the LM head. LoRA adds r·(in + out) per adapted linear layer
-    ("all-linear": q, k, v, o, gate, up, down; never the LM head), kept in fp32 by peft.
+    ("all-linear": q, k, v, o, gate, up, down; the LM head only when named), kept in fp32 by peft.
 
 Training state, per trainable parameter (p = bytes of the trainable weights)
     gradients p (DDP adds its communication buckets: p again); AdamW exp_avg + exp_avg_sq: 2p (torch keeps
@@ -168,7 +168,8 @@ def lora_params(a: Arch, r: int, target_modules) -> int:
         [t for t in ([target_modules] if isinstance(target_modules, str) else list(target_modules))]
     shapes = linear_shapes(a)
     per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
-    return a.num_hidden_layers * per_layer
+    head = r * (a.hidden_size + a.vocab_size) if "lm_head" in targets else 0  # the output layer, once
+    return a.num_hidden_layers * per_layer + head
 
 
 def activation_elements_per_token_layer(a: Arch) -> int:
@@ -396,6 +397,8 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
         shapes = linear_shapes(a)
         targets = LORA_TARGETS if str(p.lora.target_modules) == "all-linear" else list(p.lora.target_modules)
         merged = a.num_hidden_layers * sum(shapes[t][0] * shapes[t][1] for t in targets if t in shapes) * cb
+        if "lm_head" in targets:
+            merged += a.hidden_size * a.vocab_size * cb
         plan.items.append(Item("merged LoRA weights", merged, "sampling uses W + B·A copies of the adapted "
                                "weights", "transient"))
     plan.phases["rollout"] = kv + gen_logits + merged

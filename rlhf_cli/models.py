@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +34,11 @@ def setup_torch(cfg) -> None:
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()
+    # library-internal notices a user cannot act on: peft reads a renamed transformers attribute, and warns about
+    # a LoRA on a tied lm_head, which merge_lora and merged sampling handle (the embeddings stay as they are)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*", category=UserWarning)
+    warnings.filterwarnings("ignore", message=".*save_embedding_layers.*", category=UserWarning)
 
 
 def resolve_dtype(name: str, accelerator: str) -> torch.dtype:
@@ -156,11 +162,21 @@ def _abs(path) -> str:
     return str(p.resolve()) if p.exists() else str(path)
 
 
+def load_kwargs(model_cfg) -> dict:
+    """from_pretrained options from the model config: remote code, and the attention kernel (null: the
+    library's default, sdpa; e.g. flash_attention_2 on GPUs that have it, eager)."""
+    if model_cfg is None:
+        return {"trust_remote_code": False}
+    kw = {"trust_remote_code": bool(model_cfg.trust_remote_code)}
+    if model_cfg.get("attn_implementation"):
+        kw["attn_implementation"] = str(model_cfg.attn_implementation)
+    return kw
+
+
 def load_causal_lm(path, dtype: torch.dtype, model_cfg=None):
     from transformers import AutoModelForCausalLM
 
-    trust = bool(model_cfg.trust_remote_code) if model_cfg is not None else False
-    return AutoModelForCausalLM.from_pretrained(_abs(path), dtype=dtype, trust_remote_code=trust)
+    return AutoModelForCausalLM.from_pretrained(_abs(path), dtype=dtype, **load_kwargs(model_cfg))
 
 
 def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
@@ -168,9 +184,8 @@ def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
     scores are read at the last non-pad token."""
     from transformers import AutoModelForSequenceClassification
 
-    trust = bool(model_cfg.trust_remote_code) if model_cfg is not None else False
     model = AutoModelForSequenceClassification.from_pretrained(_abs(path), num_labels=1, dtype=dtype,
-                                                               trust_remote_code=trust)
+                                                               **load_kwargs(model_cfg))
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
@@ -183,6 +198,22 @@ def lora_config(lcfg, task_type: str):
         targets = list(targets)
     return LoraConfig(r=int(lcfg.r), lora_alpha=int(lcfg.alpha), lora_dropout=float(lcfg.dropout),
                       target_modules=targets, task_type=task_type)
+
+
+def merge_lora(peft_model):
+    """`merge_and_unload()` that is safe with tied input/output embeddings. A LoRA on the output layer
+    (``lm_head``) of a model that ties it to the input embeddings would, merged in place, change the embeddings
+    too; the output layer is untied first (its own copy of the weight, ``tie_word_embeddings=False``)."""
+    base = peft_model.get_base_model()
+    out, emb = base.get_output_embeddings(), base.get_input_embeddings()
+    layer = getattr(out, "base_layer", None)
+    if layer is not None and emb is not None and layer.weight is emb.weight:
+        layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+        text_cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else None
+        if text_cfg is not None:
+            text_cfg.tie_word_embeddings = False
+    return peft_model.merge_and_unload()
 
 
 def same_vocab(tok_a, tok_b) -> bool:

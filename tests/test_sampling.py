@@ -111,6 +111,18 @@ def test_draw_samples_the_categorical_distribution():
     assert (counts / n - p).abs().max() < 0.015
 
 
+def sample_plain_and_merged(pm):
+    """The same draws from the adapter as it is and from its merged weights (same seed)."""
+    ids, mask = prompts()
+    g = gen_config(max_new_tokens=5)
+    torch.manual_seed(3)
+    a = ro.sample_loop(pm, ids, mask, g, [], 0.7, keep_logits=True)
+    torch.manual_seed(3)
+    with ro.lora_merged(pm):
+        b = ro.sample_loop(pm, ids, mask, g, [], 0.7, keep_logits=True)
+    return a, b
+
+
 @torch.no_grad()
 def test_lora_merged_sampling_matches_the_adapter_and_restores_weights(model):
     from peft import LoraConfig, get_peft_model
@@ -124,12 +136,7 @@ def test_lora_merged_sampling_matches_the_adapter_and_restores_weights(model):
             p.normal_(0, 0.1)
     before = {n: (p.data_ptr(), p.clone()) for n, p in pm.named_parameters()}
     ids, mask = prompts()
-    g = gen_config(max_new_tokens=5)
-    torch.manual_seed(3)
-    a = ro.sample_loop(pm, ids, mask, g, [], 0.7, keep_logits=True)
-    torch.manual_seed(3)
-    with ro.lora_merged(pm):
-        b = ro.sample_loop(pm, ids, mask, g, [], 0.7, keep_logits=True)
+    a, b = sample_plain_and_merged(pm)
     resp_a, logits_a, resp_b, logits_b = a["response"], a["logits"], b["response"], b["logits"]
     torch.testing.assert_close(logits_b, logits_a, atol=1e-5, rtol=1e-5)
     assert torch.equal(resp_a, resp_b)
@@ -148,3 +155,38 @@ def test_generate_chunk_falls_back_to_generate_for_other_settings(model):
     assert not ro._loop_supported(ro._effective_generation_config(model, g))
     out = ro.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask, g, [EOS], 0.7, None)
     assert out["response"].shape[0] == 3 and out["logprobs"].shape == out["entropy"].shape
+
+
+@torch.no_grad()
+def test_lora_on_a_tied_output_layer_leaves_the_embeddings_alone(tmp_path):
+    """The tiny recipe puts a LoRA on lm_head, which the model ties to its input embeddings: merged sampling
+    and merge_lora (export, chat) must change the output layer only."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from rlhf_cli.models import merge_lora
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+                      pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
+    base = Qwen3ForCausalLM(cfg).eval()
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    emb = base.model.embed_tokens.weight.clone()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")).eval()
+    for name, p in pm.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.1)
+    ids, mask = prompts()
+    want = pm(input_ids=ids, attention_mask=mask).logits
+    a, b = sample_plain_and_merged(pm)
+    torch.testing.assert_close(b["logits"], a["logits"], atol=1e-5, rtol=1e-5)
+    assert torch.equal(pm.get_base_model().model.embed_tokens.weight, emb)
+
+    merged = merge_lora(pm)
+    assert torch.equal(merged.model.embed_tokens.weight, emb)
+    torch.testing.assert_close(merged(input_ids=ids, attention_mask=mask).logits, want, atol=1e-5, rtol=1e-5)
+    merged.save_pretrained(str(tmp_path))
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits, want, atol=1e-5, rtol=1e-5)

@@ -90,6 +90,11 @@ class TokenValueModel(nn.Module):
             m = m.base_model.model
         return getattr(m, m.base_model_prefix), m.score
 
+    @property
+    def head(self) -> nn.Module:
+        """The score head (a Linear to one output)."""
+        return self._parts()[1]
+
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         backbone, head = self._parts()
         h = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -11,7 +11,7 @@ import torch
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.models import load_causal_lm, load_tokenizer, resolve_dtype, setup_torch
+from rlhf_cli.models import load_causal_lm, load_kwargs, load_tokenizer, merge_lora, resolve_dtype, setup_torch
 
 
 def load_policy(path: str | Path, cfg):
@@ -21,7 +21,8 @@ def load_policy(path: str | Path, cfg):
     if (path / "adapter_config.json").exists():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype).merge_and_unload()
+        model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype, **load_kwargs(cfg.model))
+        model = merge_lora(model)
     else:
         model = load_causal_lm(path, dtype, cfg.model)
     tok = load_tokenizer(path, cfg.model)

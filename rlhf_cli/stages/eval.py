@@ -5,11 +5,13 @@ response, on the policy's own samples), response length, EOS and empty rates, an
 rate where the data defines one. Across policies: the RM win rate of PPO over SFT on the same prompts, and
 where the RM and the ground truth disagree (reward hacking shows up there first).
 
-Writes `eval.output_dir`: report.json, report.md, training_curves.png (from the PPO TensorBoard events).
+Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
+ground-truth verdict) and training_curves.png (from the PPO TensorBoard events).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -204,6 +206,14 @@ def run(cfg) -> None:
         if (ppo_dir / "metrics.json").exists():
             report["ppo_train"] = read_json(ppo_dir / "metrics.json")
         write_json(out / "report.json", report)
+        with open(out / "responses.jsonl", "w", encoding="utf-8") as f:  # every response, for a closer look
+            for n, s in results.items():
+                for i, ex in enumerate(evals):
+                    row = {"policy": n, "prompt": ex.prompt[-1]["content"], "response": s["texts"][i],
+                           "rm_score": s["rm_score"][i], "kl": s["kl"][i]}
+                    if gt is not None:
+                        row["ground_truth"] = bool(gt(s["texts"][i]))
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
         (out / "report.md").write_text(markdown(report), encoding="utf-8")
     for n, row in report["policies"].items():
         gt_s = f", ground truth {row['ground_truth_rate']:.3f}" if row["ground_truth_rate"] is not None else ""

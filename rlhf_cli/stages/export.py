@@ -9,7 +9,7 @@ from pathlib import Path
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir
-from rlhf_cli.models import load_tokenizer, resolve_dtype, setup_torch
+from rlhf_cli.models import load_tokenizer, merge_lora, resolve_dtype, setup_torch
 
 log = logging.getLogger("rlhf")
 
@@ -26,7 +26,7 @@ def run(cfg) -> None:
                         "complete model")
     base_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
     dtype = resolve_dtype(cfg.model.dtype, cfg.device.accelerator)
-    model = PeftModel.from_pretrained(load_policy_base(base_dir, dtype, cfg.model), str(ppo_dir)).merge_and_unload()
+    model = merge_lora(PeftModel.from_pretrained(load_policy_base(base_dir, dtype, cfg.model), str(ppo_dir)))
     tok = load_tokenizer(ppo_dir, cfg.model)
     target = Path(cfg.export.output_dir or ppo_dir / "merged")
     with atomic_dir(target) as out:

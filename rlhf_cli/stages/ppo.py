@@ -32,8 +32,8 @@ from rlhf_cli import data as D
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import read_json, write_json
-from rlhf_cli.models import (base_model_dir, load_causal_lm, load_seq_cls, load_tokenizer, lora_config,
-                             resolve_dtype, same_vocab, setup_torch)
+from rlhf_cli.models import (base_model_dir, load_causal_lm, load_kwargs, load_seq_cls, load_tokenizer, lora_config,
+                             merge_lora, resolve_dtype, same_vocab, setup_torch)
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.rollout import (Rollout, TokenValueModel, generate_chunk, leading_padding, policy_logits,
                                   position_ids_from, response_slice)
@@ -49,7 +49,8 @@ def load_policy_base(path: Path, dtype, model_cfg):
     if (path / "adapter_config.json").exists():
         from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype).merge_and_unload()
+        peft_model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype, **load_kwargs(model_cfg))
+        return merge_lora(peft_model)
     return load_causal_lm(path, dtype, model_cfg)
 
 
@@ -80,15 +81,20 @@ def build_models(cfg, tok, device):
         value_src = base_model_dir(cfg) if str(p.value_init) == "base" else \
             require_dir(p.value_init, "value model init (ppo.value_init)", "rlhf reward")
     value = load_seq_cls(value_src, tok, dtype, cfg.model)
+    stats_file = reward_dir / "score_stats.json"
+    stats = read_json(stats_file) if stats_file.exists() else None
+    if p.normalize_scores and stats is None:
+        log.warning("ppo: %s has no score_stats.json; scores are not normalised", reward_dir)
+    if p.normalize_scores and stats is not None and str(p.value_init) == "reward":
+        # The returns are built from normalised scores; a value head copied from the RM predicts raw scores,
+        # std times too large, and its first advantages would be noise. Rescale the head to the same units.
+        with torch.no_grad():
+            TokenValueModel(value).head.weight.div_(float(stats["std"]))
     if p.value_lora:
         from peft import get_peft_model
 
         value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
     reward = load_seq_cls(reward_dir, tok, dtype, cfg.model).eval().requires_grad_(False)
-    stats_file = reward_dir / "score_stats.json"
-    stats = read_json(stats_file) if stats_file.exists() else None
-    if p.normalize_scores and stats is None:
-        log.warning("ppo: %s has no score_stats.json; scores are not normalised", reward_dir)
     # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
     return (policy.to(device).eval(), ref, TokenValueModel(value).to(device).eval(),
             TokenValueModel(reward).to(device).eval(), stats, value_src)
@@ -166,12 +172,21 @@ def rollout(prompts: list[str], tok, policy, ref, value_model, reward_model, p, 
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
+def save_policy(policy, path: Path) -> None:
+    """The adapter (embeddings are never trained, so a LoRA on a tied output layer saves only its A and B), or
+    the full model."""
+    if hasattr(policy, "peft_config"):
+        policy.save_pretrained(str(path), save_embedding_layers=False)
+    else:
+        policy.save_pretrained(str(path))
+
+
 def save_checkpoint(path: Path, policy, value_model, tok, state: dict) -> None:
     """Adapter (or full policy), value model, tokenizer and trainer state, written atomically."""
     from rlhf_cli.io import atomic_dir
 
     with atomic_dir(path, every_rank=False) as tmp:  # the main process alone writes checkpoints
-        policy.save_pretrained(str(tmp))
+        save_policy(policy, tmp)
         tok.save_pretrained(str(tmp))
         value_model.model.save_pretrained(str(tmp / "value"))
         torch.save(state, tmp / STATE_FILE)
@@ -495,11 +510,11 @@ def run(cfg) -> None:
 
     # ---- final outputs: adapter + tokenizer at the top, value model, optional merged model; then publish
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(str(work))
+        save_policy(unwrapped, work)
         tok.save_pretrained(str(work))
         accelerator.unwrap_model(value_model).model.save_pretrained(str(work / "value"))
         if p.merge and p.lora.enabled:
-            merged = copy.deepcopy(unwrapped).merge_and_unload()
+            merged = merge_lora(copy.deepcopy(unwrapped))
             merged.save_pretrained(str(work / "merged"))
             tok.save_pretrained(str(work / "merged"))
         total = time.perf_counter() - t_start
