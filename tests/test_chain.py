@@ -100,6 +100,32 @@ def test_eval_report(chain):
     assert 0.0 <= r["win_rate"]["ppo_vs_sft"] <= 1.0
     assert (chain / "runs/tiny/eval/report.md").exists()
     assert (chain / "runs/tiny/eval/training_curves.png").stat().st_size > 10_000
+    rows = [json.loads(ln) for ln in (chain / "runs/tiny/eval/responses.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * r["num_prompts"]
+    ppo_rows = [x for x in rows if x["policy"] == "ppo"]
+    gt = sum(x["ground_truth"] for x in ppo_rows) / len(ppo_rows)
+    assert abs(gt - r["policies"]["ppo"]["ground_truth_rate"]) < 1e-9
+
+
+def test_value_model_starts_in_normalised_score_units(chain):
+    """With normalised scores the value head copied from the RM is divided by the RM's score std, so the first
+    values are in the units of the returns."""
+    import torch
+
+    from rlhf_cli.config import compose
+    from rlhf_cli.models import load_tokenizer
+    from rlhf_cli.ppo.rollout import position_ids_from
+    from rlhf_cli.stages.ppo import build_models
+
+    cfg = compose("ppo", ["recipe=tiny", f"run_dir={chain / 'runs/tiny'}", "device.threads=1"])
+    tok = load_tokenizer(cfg.ppo.policy_dir, cfg.model)
+    _, _, value, reward, stats, _ = build_models(cfg, tok, "cpu")
+    enc = tok(["Thanks for asking! Rinse the rice."], return_tensors="pt")
+    pos = position_ids_from(enc["attention_mask"])
+    with torch.no_grad():
+        v = value(enc["input_ids"], enc["attention_mask"], pos)
+        r = reward(enc["input_ids"], enc["attention_mask"], pos)
+    torch.testing.assert_close(v, r / stats["std"], rtol=1e-5, atol=1e-6)
 
 
 def test_chat_answers_once_and_from_stdin(chain):
@@ -118,7 +144,17 @@ def test_export_writes_a_plain_merged_model(chain):
 
     merged = chain / "runs/tiny/ppo/merged"
     assert not (merged / "adapter_config.json").exists()
-    AutoModelForCausalLM.from_pretrained(merged)
+    m = AutoModelForCausalLM.from_pretrained(merged)
+    # the tiny recipe's LoRA covers the tied lm_head: the merge changes the output layer, not the embeddings
+    sft = AutoModelForCausalLM.from_pretrained(chain / "runs/tiny/sft")
+    assert torch_equal(m.get_input_embeddings().weight, sft.get_input_embeddings().weight)
+    assert not torch_equal(m.get_output_embeddings().weight, sft.get_output_embeddings().weight)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 def test_resume_restores_counters(chain):
