@@ -369,7 +369,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
     if speed_res or learn:
         L += ["## Targets", "", "| target | result | met |", "|---|---|---|"]
         for row in targets(speed_res, learn):
-            L.append(f"| {row[0]} | {row[1]} | {'yes' if row[2] else 'no'} |")
+            L.append(f"| {row[0]} | {row[1]} | {'—' if row[2] is None else 'yes' if row[2] else 'no'} |")
         L.append("")
     L += ["## Reproduce", "", "```", "make bench                      # = .venv/bin/python bench/run.py",
           ".venv/bin/python bench/run.py --quick          # smoke run, results in bench/work/",
@@ -407,7 +407,7 @@ def lora_text(st: dict) -> str:
     return f"LoRA r {lo['r']} / alpha {lo['alpha']} on {lo['target_modules']}" if lo else "LoRA"
 
 
-def targets(speed_res: dict | None, learn: dict | None) -> list[tuple[str, str, bool]]:
+def targets(speed_res: dict | None, learn: dict | None) -> list[tuple[str, str, bool | None]]:
     rows = []
     groups = (speed_res or {}).get("groups", {})
 
@@ -434,9 +434,11 @@ def targets(speed_res: dict | None, learn: dict | None) -> list[tuple[str, str, 
         rows.append(("demo: rlhf RM score gain ≥ TRL's at equal episodes (held-out, over SFT)",
                      f"{s['rlhf']['heldout_rm_gain_mean']:+.3f} vs {s['trl']['heldout_rm_gain_mean']:+.3f}",
                      s["target_rm_gain_met"]))
-        rows.append(("demo: rlhf polite-rate gain ≥ TRL's (held-out, over SFT)",
-                     f"{s['rlhf']['heldout_polite_gain_mean']:+.3f} vs {s['trl']['heldout_polite_gain_mean']:+.3f}",
-                     s["target_polite_gain_met"]))
+        # the target is the reward gain; the rule-checked polite rate is reported beside it
+        rows.append(("demo: polite-rate gain (held-out, over SFT; reported beside the target)",
+                     f"rlhf {s['rlhf']['heldout_polite_gain_mean']:+.3f} vs TRL "
+                     f"{s['trl']['heldout_polite_gain_mean']:+.3f} (final rates {s['rlhf']['heldout_polite_mean']:.3f}"
+                     f" vs {s['trl']['heldout_polite_mean']:.3f})", None))
     return rows
 
 
