@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", default=None, help="keep the stage's run directory here (default: a temp dir, removed)")
     p.add_argument("--profile", default=None, help="also write a cProfile of the stage run (models loaded, loop) here")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra rlhf overrides after the contract's (for experiments; the benchmark passes none)")
     p.add_argument("--out", required=True, help="where to write the JSON result")
     return p.parse_args(argv)
 
@@ -181,6 +183,7 @@ def main(argv=None) -> int:
         "ppo.sample_every=0",
         "ppo.save_every=0",
         "ppo.merge=false",
+        *a.set,
     ]
     cfg = compose("ppo", overrides)
 
