@@ -72,6 +72,20 @@ def setup(work: Path, workloads: list[str], logfile: Path, need_trl: bool) -> No
         run_cmd([PY, HERE / "workload.py", name, work / name], logfile, 1)
 
 
+def settle_page_cache() -> str:
+    """Peak RSS counts the library files a process maps. Files written moments ago (a fresh venv) sit in the page
+    cache in large blocks that a page fault maps whole, which inflated one side's peak RSS by ~85 MB in a
+    fresh clone (`import torch` alone: 267 vs 219 MB) depending on which venv was installed last. Dropping the
+    clean page cache first makes both sides map their libraries the same way. Needs root; otherwise the report
+    says it was not done."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "dropped"
+    except OSError as e:
+        return f"not dropped ({e.strerror or e})"
+
+
 # ------------------------------------------------------------------------------------------------ speed
 def one_run(side: str, wl: str, variant: str, shape: dict, threads: int, raw: Path, rep: int, logfile: Path) -> dict:
     out = raw / f"{wl}_{variant}_{side}_r{rep}.json"
@@ -253,7 +267,9 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
         L += ["## Speed", "",
               "Each cell is min / **median** / max over the runs of one side. Episodes per second = episodes / "
               "time of the training loop (TRL: `trainer.train()`; rlhf: first update to the end of the last, "
-              "model loading excluded on both sides). Peak RSS is the process's maximum resident set. "
+              "model loading excluded on both sides). Peak RSS is the process's maximum resident set "
+              f"(clean page cache dropped after the installs: {meta.get('page_cache', 'not recorded')}; see "
+              "`settle_page_cache` in bench/run.py). "
               f"Runs alternate between the sides ({runs_meta.get('reps', '?')} each), one process per run. "
               "Settings: 32 episodes per update (8 × 4 accumulation), rollout batch 32, 2 PPO epochs, "
               "1 mini-batch, lr 5e-6, temperature 0.7, no stop token, fp32 CPU; "
@@ -489,6 +505,8 @@ def main(argv=None) -> int:
         if "roofline" in parts and "small" not in a.workloads:
             parts.discard("roofline")
         setup(work, a.workloads, logfile, need_trl=True)
+        meta["page_cache"] = settle_page_cache()
+        log(f"page cache before the timed runs: {meta['page_cache']}")
         shapes = QUICK if a.quick else FULL
         mm = []
         if "roofline" in parts:
