@@ -379,10 +379,12 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
     kv = 2 * a.num_hidden_layers * a.kv_dim * f * seq * cb
-    gen_logits = 5 * f * r * a.vocab_size * 4
+    # the sampling loop (ppo.rollout.sample_loop) keeps no per-step logits: one step's (f, V) logits and their
+    # log-prob / entropy temporaries are alive at a time
+    gen_logits = 5 * f * a.vocab_size * 4
     plan.items.append(Item("KV cache", kv, f"2·{a.num_hidden_layers} layers·{a.kv_dim}·{f} seqs·{seq} tokens "
                            f"× {cb} B", "transient"))
-    plan.items.append(Item("generation logits", gen_logits, f"5 × {f}·{r}·{a.vocab_size} × 4 B (sampled "
+    plan.items.append(Item("generation logits", gen_logits, f"5 × {f}·{a.vocab_size} × 4 B (one step's "
                            "logits, log-prob / entropy temporaries)", "transient"))
     act = _activations(a, b, seq, cb, False)
     logits = b * r * a.vocab_size * (cb + 4) + 3 * b * r * a.vocab_size * 4

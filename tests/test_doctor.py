@@ -112,7 +112,7 @@ def test_ppo_plan_terms():
     it = _items(p)
     assert it["reference"].bytes == 0  # LoRA: the adapter disabled is the reference
     assert it["KV cache"].bytes == 2 * 28 * 8 * 128 * 32 * (256 + 200) * 2
-    assert it["generation logits"].bytes == 5 * 32 * 200 * 151936 * 4
+    assert it["generation logits"].bytes == 5 * 32 * 151936 * 4  # one step at a time
     full = _items(M.plan_stage(compose("ppo", ["recipe=qwen3-0.6b", "ppo.lora.enabled=false"]), "ppo", QWEN))
     assert full["reference weights"].bytes == M.causal_lm_params(QWEN) * 2
     assert p.peak == pytest.approx(p.static + p.slack * p.transient + p.overhead)
@@ -124,9 +124,9 @@ def test_advice_fits_the_budget():
     budget = 24 * M.GiB
     assert M.plan_stage(cfg, "ppo", QWEN, s).peak > budget
     singles, combo = M.remedies(cfg, "ppo", QWEN, s, budget)
-    assert not singles and combo is not None
-    label, plan = combo
-    assert plan.peak <= budget and "ppo.rollout_forward_batch_size" in label
+    advice = singles + ([combo] if combo else [])
+    assert advice
+    assert all(plan.peak <= budget and label.startswith("ppo.") for label, plan in advice)
     sft_cfg = compose("sft", ["recipe=qwen3-0.6b", "sft.per_device_eval_batch_size=4"])
     singles, _ = M.remedies(sft_cfg, "sft", QWEN, M.setup_from(sft_cfg), 6 * M.GiB)
     assert all(p.peak <= 6 * M.GiB for _, p in singles)
