@@ -32,8 +32,8 @@ from rlhf_cli import data as D
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import read_json, write_json
-from rlhf_cli.models import (base_model_dir, load_causal_lm, load_kwargs, load_seq_cls, load_tokenizer, lora_config,
-                             merge_lora, resolve_dtype, same_vocab, setup_torch)
+from rlhf_cli.models import (base_model_dir, load_causal_lm, load_kwargs, load_seq_cls, load_tokenizer,
+                             lora_config, merge_lora, resolve_dtype, same_vocab, setup_torch)
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.rollout import (Rollout, TokenValueModel, generate_chunk, leading_padding, policy_logits,
                                   position_ids_from, response_slice)
