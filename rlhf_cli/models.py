@@ -173,10 +173,23 @@ def load_kwargs(model_cfg) -> dict:
     return kw
 
 
+def _from_pretrained(auto_cls, path, model_cfg, **kw):
+    """`auto_cls.from_pretrained` with the config's options; an attention kernel the library refuses is named
+    by its key."""
+    opts = load_kwargs(model_cfg)
+    try:
+        return auto_cls.from_pretrained(_abs(path), **kw, **opts)
+    except (ValueError, ImportError) as e:
+        if "attn_implementation" in opts and "attn_implementation" in str(e):
+            raise RlhfError(f"model.attn_implementation={opts['attn_implementation']} cannot be used here "
+                            f"({str(e).splitlines()[0][:160]}); use null (the library default), sdpa or eager") from e
+        raise
+
+
 def load_causal_lm(path, dtype: torch.dtype, model_cfg=None):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(_abs(path), dtype=dtype, **load_kwargs(model_cfg))
+    return _from_pretrained(AutoModelForCausalLM, path, model_cfg, dtype=dtype)
 
 
 def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
@@ -184,8 +197,7 @@ def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
     scores are read at the last non-pad token."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(_abs(path), num_labels=1, dtype=dtype,
-                                                               **load_kwargs(model_cfg))
+    model = _from_pretrained(AutoModelForSequenceClassification, path, model_cfg, num_labels=1, dtype=dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
 

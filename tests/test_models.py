@@ -181,17 +181,30 @@ def test_tokenizer_without_pad_token_says_so(tmp_path, base_tok):
     assert load_tokenizer(path, model_cfg("<|pad|>")).pad_token == "<|pad|>"
 
 
-@pytest.mark.parametrize("impl", [None, "eager"])
-def test_attn_implementation_reaches_the_loaded_models(tmp_path, impl):
+def save_small_causal_lm(path) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from rlhf_cli.models import load_causal_lm, load_kwargs
 
     cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, pad_token_id=0)
-    Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    Qwen3ForCausalLM(cfg).save_pretrained(str(path))
+
+
+@pytest.mark.parametrize("impl", [None, "eager"])
+def test_attn_implementation_reaches_the_loaded_models(tmp_path, impl):
+    from rlhf_cli.models import load_causal_lm, load_kwargs
+
+    save_small_causal_lm(tmp_path)
     mcfg = OmegaConf.create({"trust_remote_code": False, "attn_implementation": impl})
     assert load_kwargs(mcfg) == ({"trust_remote_code": False} if impl is None else
                                  {"trust_remote_code": False, "attn_implementation": "eager"})
     model = load_causal_lm(tmp_path, torch.float32, mcfg)
     assert model.config._attn_implementation == (impl or "sdpa")
+
+
+def test_unknown_attn_implementation_names_the_key(tmp_path):
+    from rlhf_cli.models import load_causal_lm
+
+    save_small_causal_lm(tmp_path)
+    mcfg = OmegaConf.create({"trust_remote_code": False, "attn_implementation": "foo"})
+    with pytest.raises(RlhfError, match=r"model\.attn_implementation=foo .*use null"):
+        load_causal_lm(tmp_path, torch.float32, mcfg)
