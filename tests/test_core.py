@@ -61,6 +61,27 @@ def test_entropy_matches_definition(temperature):
     torch.testing.assert_close(entropy_from_logits(logits, temperature), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_with_grad_matches_entropy_from_logits(dtype):
+    """logprobs_and_entropy(entropy_grad=True): the entropy loss term from the same log-softmax, with the
+    values and gradients of entropy_from_logits, also where a token has probability 0."""
+    from rlhf_cli.ppo.core import logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 3, 7, generator=g) * 2
+    base[0, 0, 0] = -1e4  # probability 0 after the softmax
+    a = base.clone().to(dtype).requires_grad_(True)
+    b = base.clone().to(dtype).requires_grad_(True)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    _, ent = logprobs_and_entropy(a, tokens, 0.7, entropy_grad=True)
+    want = entropy_from_logits(b, 0.7)
+    torch.testing.assert_close(ent.float(), want, rtol=1e-5, atol=1e-5)
+    ent.sum().backward()
+    want.sum().backward()
+    assert torch.isfinite(a.grad.float()).all()
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_entropy_uniform_and_one_hot():
     uniform = torch.zeros(1, 1, 4)
     torch.testing.assert_close(entropy_from_logits(uniform), torch.tensor([[math.log(4)]]))

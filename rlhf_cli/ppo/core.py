@@ -78,20 +78,29 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
-def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """``logprobs_from_logits`` and (detached) ``entropy_from_logits`` from one log-softmax.
+def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
+                         entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """``logprobs_from_logits`` and ``entropy_from_logits`` from one log-softmax.
 
     Shapes: logits (B, T, V), tokens (B, T) -> (B, T), (B, T). The log-probs carry gradients as
-    ``logprobs_from_logits``'s do; the entropy is a statistic (no gradient). Same formulas as the two functions.
+    ``logprobs_from_logits``'s do; the entropy is a detached statistic unless ``entropy_grad`` (an entropy term
+    in the loss). Same formulas as the two functions.
     """
     if logits.dtype not in (torch.float32, torch.float64):
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), temperature)
+        if entropy_grad:
+            entropy = entropy_from_logits(logits, temperature)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), temperature)
         return logprobs_from_logits(logits, tokens, temperature), entropy
     z = logits if temperature == 1.0 else logits / temperature
     # log_softmax(z) = z − logsumexp(z); its fused backward is cheaper than logsumexp's on a (B, T, V) tensor
     logp = torch.log_softmax(z, dim=-1)
     logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if entropy_grad:
+        # H = −Σ p·log p; log p clamped to a finite floor so a token with p = 0 adds 0 and a 0 gradient
+        entropy = -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(dim=-1)
+        return logprobs, entropy
     with torch.no_grad():
         lp = logp.detach()
         # H = −Σ p·log p; nansum drops the 0·(−inf) terms of tokens with probability 0

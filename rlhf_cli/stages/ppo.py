@@ -405,18 +405,19 @@ def run(cfg) -> None:
                         pos = batch.position_ids[idx, s0:]
                         m = mask[idx]
                         logits = policy_logits(policy, ids, am, pos, R)
-                        new_logprobs, tok_entropy = core.logprobs_and_entropy(logits, batch.response_ids[idx],
-                                                                              float(p.temperature))
+                        # the entropy keeps its graph only when it is a loss term (ppo.ent_coef)
+                        new_logprobs, tok_entropy = core.logprobs_and_entropy(
+                            logits, batch.response_ids[idx], float(p.temperature), entropy_grad=bool(float(p.ent_coef)))
                         vpred = response_slice(value_model(ids, am, pos), R)
                         pg_loss, pg_stats = core.policy_loss(new_logprobs, batch.logprobs[idx], advantages[idx], m,
                                                              float(p.cliprange))
                         vf_loss, vf_stats = core.value_loss(vpred, batch.values[idx], returns[idx], m,
                                                             float(p.cliprange_value))
                         loss = pg_loss + float(p.vf_coef) * vf_loss
-                        ent = core.masked_mean(tok_entropy, m)
+                        ent_term = core.masked_mean(tok_entropy, m)
+                        ent = ent_term.detach()
                         if float(p.ent_coef):
-                            ent_grad = core.masked_mean(core.entropy_from_logits(logits, float(p.temperature)), m)
-                            loss = loss - float(p.ent_coef) * ent_grad
+                            loss = loss - float(p.ent_coef) * ent_term
                         accelerator.backward(loss / sizes.gradient_accumulation_steps)
                     mb_stats.append(torch.stack([pg_loss.detach(), vf_loss.detach(), pg_stats["approxkl"],
                                                  pg_stats["clipfrac"], vf_stats["clipfrac"], ent, pg_stats["ratio"]]))
