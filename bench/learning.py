@@ -106,7 +106,7 @@ def render_prompts(work: Path, out: Path) -> dict:
     p = cfg.ppo
     settings = {k: (OmegaConf.to_container(p[k]) if OmegaConf.is_config(p[k]) else p[k]) for k in SHARED}
     settings["lora"] = {k: (OmegaConf.to_container(p.lora[k]) if OmegaConf.is_config(p.lora[k]) else p.lora[k])
-                        for k in ("r", "alpha", "dropout", "target_modules")}
+                        for k in ("r", "alpha", "target_modules")}
     # TRL 1.12 takes one optimizer step per `gradient_accumulation_steps` micro-batches whatever its
     # num_mini_batches (accelerate's accumulation spans its mini-batches), and its rollout batch is
     # per-device × accumulation; rlhf takes one step per mini-batch over a rollout of per-device × accumulation ×

@@ -18,9 +18,10 @@ The first run prepares them inside the workload directory (rlhf_policy/, rlhf_re
 prompts are used as plain text (data.chat_template=false), and the run checks that every prompt tokenizes to
 exactly the ids the TRL side feeds its trainer.
 
-Timing: the stage runs in this process. Per-update times go from the moment an update asks for its prompts (the
-first thing an update does, like TRL's batch request) to the next such moment; the last update ends when the
-stage starts writing its final checkpoint (TRL's side saves nothing). train_s is their sum; eps = episodes /
+Timing: the stage runs in this process and is observed through the trainer's hooks (`rlhf_cli.ppo.trainer.Hooks`).
+Per-update times go from the start of an update (before it asks for its prompts, like TRL's batch request) to the
+next such moment; the last update ends when its metrics are logged, before the stage writes its final checkpoint
+(TRL's side saves nothing). train_s is their sum; eps = episodes /
 train_s. The stage's own `train_seconds` (which also counts the set-up before the first update and the writing
 of the outputs) is kept as stage_train_s.
 """
@@ -165,7 +166,6 @@ def main(argv=None) -> int:
         f"ppo.lora.enabled={'true' if a.variant == 'lora' else 'false'}",
         "ppo.lora.r=8",
         "ppo.lora.alpha=16",
-        "ppo.lora.dropout=0.0",
         "ppo.lora.target_modules=all-linear",
         f"ppo.per_device_train_batch_size={PER_DEVICE_BATCH}",
         f"ppo.gradient_accumulation_steps={GRAD_ACCUM}",
@@ -187,44 +187,30 @@ def main(argv=None) -> int:
     ]
     cfg = compose("ppo", overrides)
 
-    # ---- instrumentation: update stamps, the final save, trainable parameter count -------------------
+    # ---- instrumentation through the trainer's hooks: update stamps, logged scores, trainable parameters ----
+    from rlhf_cli.ppo.trainer import Hooks
+
     stamps: list[float] = []
     end_stamp: list[float] = []
     cpu_stamps: list[float] = []
+    logged: dict[str, list[float]] = {}
     captured: dict = {}
-    real_take = ppo_mod.PromptStream.take
-    real_save = ppo_mod.save_checkpoint
-    real_build = ppo_mod.build_models
 
-    def take(self, n):
+    def on_train_start(trainer):
+        captured["trainable"] = sum(q.numel() for q in trainer.pol_params + trainer.val_params)
+
+    def on_update_start(update):
         stamps.append(time.perf_counter())
         cpu_stamps.append(time.process_time())
-        return real_take(self, n)
 
-    def save_checkpoint(*args, **kw):
-        end_stamp.append(time.perf_counter())
-        cpu_stamps.append(time.process_time())
-        return real_save(*args, **kw)
+    def on_update(update, metrics):
+        for tag, value in metrics.items():
+            logged.setdefault(tag, []).append(float(value))
+        if update == a.updates:
+            end_stamp.append(time.perf_counter())
+            cpu_stamps.append(time.process_time())
 
-    def build_models(*args, **kw):
-        out = real_build(*args, **kw)
-        captured["models"] = out[:3]
-        return out
-
-    # scores as the stage logs them (reading the event files afterwards would add to the peak RSS)
-    from torch.utils.tensorboard import SummaryWriter
-
-    logged: dict[str, list[float]] = {}
-    real_add_scalar = SummaryWriter.add_scalar
-
-    def add_scalar(self, tag, value, *args, **kw):
-        logged.setdefault(tag, []).append(float(value))
-        return real_add_scalar(self, tag, value, *args, **kw)
-
-    SummaryWriter.add_scalar = add_scalar
-    ppo_mod.PromptStream.take = take
-    ppo_mod.save_checkpoint = save_checkpoint
-    ppo_mod.build_models = build_models
+    hooks = Hooks(on_train_start=on_train_start, on_update_start=on_update_start, on_update=on_update)
 
     profiler = None
     if a.profile:
@@ -238,17 +224,11 @@ def main(argv=None) -> int:
 
         profiler = cProfile.Profile()
     t_run0 = time.perf_counter()
-    try:
-        if profiler is not None:
-            profiler.runcall(ppo_mod.run, cfg)
-            profiler.dump_stats(a.profile)
-        else:
-            ppo_mod.run(cfg)
-    finally:
-        ppo_mod.PromptStream.take = real_take
-        ppo_mod.save_checkpoint = real_save
-        ppo_mod.build_models = real_build
-        SummaryWriter.add_scalar = real_add_scalar
+    if profiler is not None:
+        profiler.runcall(ppo_mod.run, cfg, hooks)
+        profiler.dump_stats(a.profile)
+    else:
+        ppo_mod.run(cfg, hooks)
     t_run1 = time.perf_counter()
 
     # after the run, so that the check's tokenizers and rows are not part of the measured peak RSS
@@ -266,10 +246,7 @@ def main(argv=None) -> int:
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
     scores = logged.get("objective/scores", [])
-    policy, _ref, value = captured.get("models", (None, None, None))
-    trainable = None
-    if policy is not None:
-        trainable = sum(p.numel() for m in (policy, value) for p in m.parameters() if p.requires_grad)
+    trainable = captured.get("trainable")
 
     result = {
         "side": "rlhf",

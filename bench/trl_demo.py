@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         m.config.pad_token_id = tok.pad_token_id
     st = json.loads(Path(a.settings).read_text())
     lo = st["lora"]
-    peft_config = LoraConfig(r=int(lo["r"]), lora_alpha=int(lo["alpha"]), lora_dropout=float(lo["dropout"]),
+    peft_config = LoraConfig(r=int(lo["r"]), lora_alpha=int(lo["alpha"]), lora_dropout=float(lo.get("dropout", 0.0)),
                              target_modules=lo["target_modules"], task_type=TaskType.CAUSAL_LM)
 
     outdir = tempfile.mkdtemp(prefix="trl_ppo_demo_")

@@ -14,6 +14,7 @@ Accepted rows (json / jsonl / parquet files, or a hub dataset name):
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import random
@@ -36,8 +37,25 @@ class Example:
 
 
 # ---------------------------------------------------------------------------------------------------- reading
-def read_rows(path: str, split: str = "train") -> list[dict]:
-    """Rows of a json / jsonl / parquet file, or of a hub dataset; errors name the file and line."""
+class Rows(list):
+    """A plain list of row dicts that also remembers where each row came from, so that an error about a row
+    can point at it: `lines[i]` is the 1-based file line of row i (jsonl, blank lines counted), or `lines`
+    is None where a file has no lines to point at (json list, parquet, hub dataset: the row number is used)."""
+
+    def __init__(self, rows=(), lines: list[int] | None = None):
+        super().__init__(rows)
+        self.lines = lines
+
+
+def _where(rows: list[dict], i: int) -> str:
+    """'line N' (the file line of row i, 0-based i) when the rows know it, else 'row i+1'."""
+    lines = getattr(rows, "lines", None)
+    return f"line {lines[i]}" if lines is not None and i < len(lines) else f"row {i + 1}"
+
+
+def read_rows(path: str, split: str = "train") -> Rows:
+    """Rows of a json / jsonl / parquet file, or of a hub dataset; errors name the file and line. The list is
+    a `Rows`, which carries each row's file line for later errors."""
     if not path:
         raise RlhfError("data.train_path is not set: give a json/jsonl/parquet file, e.g. data.train_path=pairs.jsonl")
     p = Path(path).expanduser()
@@ -50,7 +68,7 @@ def read_rows(path: str, split: str = "train") -> list[dict]:
             import pyarrow.parquet as pq
 
             try:
-                return pq.read_table(p).to_pylist()
+                return Rows(pq.read_table(p).to_pylist())
             except Exception as e:  # noqa: BLE001
                 raise RlhfError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
         raise RlhfError(f"{p}: unsupported file type '{p.suffix}'; use .jsonl, .json or .parquet")
@@ -59,35 +77,52 @@ def read_rows(path: str, split: str = "train") -> list[dict]:
     return _read_hub_dataset(path, split)
 
 
-def _read_jsonl(p: Path) -> list[dict]:
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RlhfError(f"{p}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix or remove that line") from e
-            if not isinstance(row, dict):
-                raise RlhfError(f"{p}:{n}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append(row)
-    return rows
-
-
-def _read_json(p: Path) -> list[dict]:
+def _read_text(p: Path) -> str:
+    """The file as UTF-8 text, a byte-order mark dropped (editors on Windows write one). Anything else is
+    refused with the line of the first bad byte and the command that converts it."""
+    data = p.read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        source = "UTF-16" if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "GBK"
+        raise RlhfError(f"{p}: not UTF-8 (line {line}); convert it, e.g. "
+                        f"`iconv -f {source} -t UTF-8 {p} > fixed{p.suffix}`") from None
+
+
+def _read_jsonl(p: Path) -> Rows:
+    rows, lines = [], []
+    # split on \n alone, as editors number lines (not on the other breaks str.splitlines knows); a CRLF
+    # line's \r is whitespace to json
+    for n, line in enumerate(_read_text(p).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RlhfError(f"{p}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix or remove that line") from e
+        if not isinstance(row, dict):
+            raise RlhfError(f"{p}:{n}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
+        lines.append(n)
+    return Rows(rows, lines)
+
+
+def _read_json(p: Path) -> Rows:
+    try:
+        obj = json.loads(_read_text(p))
     except json.JSONDecodeError as e:
         raise RlhfError(f"{p}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         obj = obj["data"]
     if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
         raise RlhfError(f"{p}: expected a JSON list of objects (or {{\"data\": [...]}}); use .jsonl for one object per line")
-    return obj
+    return Rows(obj)
 
 
-def _read_hub_dataset(name: str, split: str) -> list[dict]:
+def _read_hub_dataset(name: str, split: str) -> Rows:
     try:
         import datasets
 
@@ -96,7 +131,7 @@ def _read_hub_dataset(name: str, split: str) -> list[dict]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RlhfError(f"could not load dataset '{name}' (split {split}): {first}; "
                         "give a local json/jsonl/parquet file instead") from e
-    return [dict(r) for r in ds]
+    return Rows(dict(r) for r in ds)
 
 
 # ------------------------------------------------------------------------------------------------- formats
@@ -152,28 +187,32 @@ def to_example(row: dict, fmt: str) -> Example:
 
 
 def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | None = None) -> list[Example]:
+    """Validate and convert rows; an error names `source` and the row's file line when `rows` is a `Rows`
+    from a jsonl file (else its 1-based row number)."""
     if not rows:
         raise RlhfError(f"{source}: the dataset is empty; give a file with at least one row")
     if fmt == "auto":
         fmt = detect_format(rows[0]) or ""
         if not fmt:
-            raise RlhfError(f"{source}: row 1 has keys {sorted(rows[0])}, which match no known format; expected "
-                            "question/chosen/rejected, prompt/chosen/rejected, chosen/rejected messages, or messages")
+            raise RlhfError(f"{source}: {_where(rows, 0)} has keys {sorted(rows[0])}, which match no known "
+                            "format; expected question/chosen/rejected, prompt/chosen/rejected, chosen/rejected "
+                            "messages, or messages")
     elif fmt not in FORMATS:
         raise RlhfError(f"data.format={fmt} is unknown; choose auto or one of {', '.join(FORMATS)}")
     out = []
-    for i, row in enumerate(rows, 1):
+    for i, row in enumerate(rows):
+        where = _where(rows, i)
         if detect_format(row) != fmt and not (fmt == "seed" and {"question", "chosen", "rejected"} <= row.keys()):
             missing = [k for k in _REQUIRED[fmt][0].split(" | ")[0].split("+") if k not in row] \
                 if fmt == "messages" else [k for k in _REQUIRED[fmt] if k not in row]
-            raise RlhfError(f"{source}: row {i} is missing required key(s) {', '.join(missing) or _REQUIRED[fmt]} "
+            raise RlhfError(f"{source}: {where} is missing required key(s) {', '.join(missing) or _REQUIRED[fmt]} "
                             f"for the {fmt} format (found {', '.join(sorted(row)) or 'none'})")
         try:
             ex = to_example(row, fmt)
         except (KeyError, TypeError, ValueError) as e:
-            raise RlhfError(f"{source}: row {i}: {e} ({fmt} format)") from e
+            raise RlhfError(f"{source}: {where}: {e} ({fmt} format)") from e
         if not isinstance(ex.chosen, str) or (fmt != "messages" and not isinstance(ex.rejected, str)):
-            raise RlhfError(f"{source}: row {i}: the answers must be strings (chosen is {type(ex.chosen).__name__}"
+            raise RlhfError(f"{source}: {where}: the answers must be strings (chosen is {type(ex.chosen).__name__}"
                             f"{'' if fmt == 'messages' else ', rejected is ' + type(ex.rejected).__name__}; "
                             f"{fmt} format)")
         if system_prompt and not any(m["role"] == "system" for m in ex.prompt):

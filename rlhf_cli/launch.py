@@ -8,6 +8,12 @@ launching again.
     deepspeed  accelerate launch --config_file <generated yaml>    TrainingArguments.deepspeed  refused
     fsdp       accelerate launch --config_file <generated yaml>    TrainingArguments.fsdp       refused
 
+The launch never outlives the `rlhf` process that started it: the launcher runs in its own session, the
+signals this process gets (TERM, INT, HUP) go to that whole group, every way out of the wait ends the group,
+and on Linux the launcher and each started process get SIGTERM from the kernel when their parent dies, even
+of SIGKILL (`prctl(PR_SET_PDEATHSIG)`). Collectives give up after `device.collective_timeout_s`, so a process
+whose peer is gone ends with an error instead of waiting.
+
 Kept import-light: torch is imported only to count GPUs for `device.num_processes=auto`.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +37,14 @@ STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
 LAUNCHED_ENV = ("LOCAL_RANK", "WORLD_SIZE")
 # overrides the dispatcher adds itself (cli.translate_overrides); the relaunched command adds them again
 _INJECTED = ("hydra.searchpath=", "command=")
+# the pid of the `rlhf` process that ran `accelerate launch`, in the environment of everything it started
+PARENT_ENV = "RLHF_LAUNCH_PARENT_PID"
+# received by the launching process and passed on to the launcher's process group
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
+# after asking the launcher to stop: how long to wait before killing it (torch's agent gives its workers 30 s)
+STOP_GRACE_S = 40.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def is_launched() -> bool:
@@ -111,6 +126,40 @@ def check_launch(cfg) -> None:
     if not 0 <= int(d.machine_rank) < int(d.num_machines):
         raise RlhfError(f"device.machine_rank={d.machine_rank} must be in 0..{int(d.num_machines) - 1} "
                         f"(device.num_machines={d.num_machines})")
+    collective_timeout_s(d)
+
+
+def collective_timeout_s(device) -> int:
+    """Seconds a process waits in a collective (all-reduce, barrier, broadcast) before the run fails: a peer
+    that died or hangs then ends the run with an error instead of leaving the others waiting for it."""
+    v = device.get("collective_timeout_s")
+    if v is None:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        seconds = float(v)
+    except (TypeError, ValueError):
+        seconds = 0.0
+    if not 1 <= seconds < float("inf") or isinstance(v, bool):
+        raise RlhfError(f"device.collective_timeout_s={v} must be a number of seconds >= 1 "
+                        f"(default {DEFAULT_COLLECTIVE_TIMEOUT_S})")
+    return int(seconds)
+
+
+def accelerator_kwargs(device) -> dict:
+    """Keyword arguments for `accelerate.Accelerator(**...)` in a stage that drives accelerate itself (ppo).
+
+    `mixed_precision="no"`: the stage decides its compute dtype (models.resolve_compute_dtype) and autocasts
+    itself, so accelerate must not add its own autocast (nor take one from an outer `accelerate launch`). The
+    process group gets `device.collective_timeout_s`, so a lost peer fails the run instead of hanging it."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return {
+        "cpu": device.accelerator == "cpu",
+        "mixed_precision": "no",
+        "kwargs_handlers": [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s(device)))],
+    }
 
 
 # ------------------------------------------------------------------------------- DeepSpeed / FSDP settings
@@ -154,13 +203,16 @@ def fsdp_config(device) -> dict:
 
 
 def trainer_strategy_kwargs(device) -> dict:
-    """The TrainingArguments fields of the device's strategy (empty for single / ddp)."""
+    """The TrainingArguments fields of the device: the collective timeout (`ddp_timeout`, read when the
+    trainer sets up the process group) and the strategy's settings (DeepSpeed config, fsdp_config; none for
+    ddp)."""
     s = strategy(device)
+    kw: dict = {"ddp_timeout": collective_timeout_s(device)}
     if s == "deepspeed":
-        return {"deepspeed": deepspeed_config(device)}
-    if s == "fsdp":
-        return {"fsdp": True, "fsdp_config": fsdp_config(device)}
-    return {}
+        kw["deepspeed"] = deepspeed_config(device)
+    elif s == "fsdp":
+        kw.update(fsdp=True, fsdp_config=fsdp_config(device))
+    return kw
 
 
 def is_sharded(device) -> bool:
@@ -181,7 +233,7 @@ def accelerate_config(device, per_machine: int | None = None) -> dict:
     cfg = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": {"ddp": "MULTI_GPU", "deepspeed": "DEEPSPEED", "fsdp": "FSDP"}.get(s, "NO"),
-        "mixed_precision": str(d.mixed_precision),
+        "mixed_precision": "no",  # each stage picks its compute dtype itself (device.mixed_precision)
         "use_cpu": False,  # CPU processes use the multi-GPU launcher too; accelerate's --cpu starts only one
         "num_processes": n * machines,  # accelerate counts processes over all machines
         "num_machines": machines,
@@ -239,8 +291,8 @@ def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None
         if ac["num_machines"] > 1:
             argv += ["--machine_rank", str(ac["machine_rank"]), "--main_process_ip",
                      str(ac["main_process_ip"]), "--rdzv_backend", ac["rdzv_backend"], "--same_network"]
-        argv += ["--main_process_port", str(ac["main_process_port"]), "--mixed_precision",
-                 ac["mixed_precision"], "--dynamo_backend", "no"]
+        argv += ["--main_process_port", str(ac["main_process_port"]), "--mixed_precision", "no",
+                 "--dynamo_backend", "no"]
     else:
         if config_file is None:
             raise ValueError("DeepSpeed / FSDP launches need the generated accelerate config file")
@@ -278,6 +330,7 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
     if command == "doctor":
         return None
     if is_launched():
+        die_with_launcher()
         check_stage_support(cfg)
         return None
     single_line = shlex.join([sys.executable, "-m", "rlhf_cli.cli", command, *overrides])
@@ -315,4 +368,138 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
     log.info("launching %d process(es) per machine: %s", num_processes(cfg.device), line)
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return subprocess.call(argv, env=env)
+    return run_launcher(argv, env)
+
+
+# ---------------------------------------------------------------------------------------- process lifetime
+def _prctl():
+    """libc's prctl on Linux (looked up before any fork: loading a library in a forked child can deadlock),
+    else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM, prctl=None) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; False elsewhere).
+
+    Strictly it fires when the parent *thread* that started this process ends; the launchers start their
+    processes from their main thread."""
+    prctl = prctl or _prctl()
+    if prctl is None:
+        return False
+    try:
+        return prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 - an optional safety net; never a reason to fail the run
+        return False
+
+
+def die_with_launcher() -> None:
+    """In a process started by torchrun / accelerate launch: end (SIGTERM) when the launcher ends.
+
+    torch's agent stops its workers when it gets SIGTERM / SIGINT / SIGHUP, but it starts each of them in a
+    session of its own, so a launcher that is killed outright (SIGKILL, OOM) would leave them running, blocked
+    in a collective on a peer that is gone. Called early in each started process (`handle`)."""
+    if not is_launched() or not set_parent_death_signal(signal.SIGTERM):
+        return
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None:
+        return  # started by a launcher the user ran: the death signal is all we can arm
+    # the launcher (or the `rlhf` process above it) may already have died before the signal was armed
+    if os.getppid() == 1 or not _pid_alive(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _pid_alive(pid: str | int) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def _launcher_preexec(parent: int, prctl):
+    """Runs in the launcher between fork and exec: SIGTERM when `parent` dies; exit if it already has."""
+
+    def setup() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return setup
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_launcher(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the launcher's process group (its agent passes it to the workers), SIGKILL after `grace_s`.
+    Only while the launcher has not been reaped: afterwards its pid (= the group id) may belong to another
+    process."""
+    if proc.poll() is not None:
+        return
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def exit_code(rc: int) -> int:
+    """A Popen return code as a shell reports it: death by signal N -> 128 + N."""
+    return 128 - rc if rc < 0 else rc
+
+
+def run_launcher(argv: list[str], env: dict) -> int:
+    """Run the launch command in its own session and wait for it; it does not outlive this process.
+
+    TERM / INT / HUP received here go to the launcher's group (a second one: SIGKILL); any other way out of
+    the wait (an exception) stops the group; if this process is killed outright, the launcher gets SIGTERM
+    from the kernel (Linux). Returns the launcher's exit code (128 + N after signal N); raises
+    KeyboardInterrupt after a forwarded SIGINT, once the launcher has ended."""
+    parent = os.getpid()
+    env = {**env, PARENT_ENV: str(parent)}
+    if os.name != "posix":  # no sessions or process groups to manage
+        return exit_code(subprocess.call(argv, env=env))
+    proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                            preexec_fn=_launcher_preexec(parent, _prctl()))
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        if proc.returncode is None:
+            _signal_group(proc.pid, signum if len(received) == 1 else signal.SIGKILL)
+
+    previous = {}
+    try:
+        for name in FORWARDED_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                try:
+                    previous[sig] = signal.signal(sig, forward)
+                except ValueError:  # not the main thread: the exit paths below still stop the group
+                    break
+        rc = proc.wait()
+    finally:
+        stop_launcher(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        log.warning("stopped the launched processes on %s", signal.Signals(received[0]).name)
+        if received[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        return 128 + int(received[0])
+    return exit_code(rc)

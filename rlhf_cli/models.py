@@ -56,6 +56,34 @@ def resolve_dtype(name: str, accelerator: str) -> torch.dtype:
     return dtype
 
 
+def resolve_compute_dtype(name: str | None, accelerator: str) -> torch.dtype | None:
+    """`device.mixed_precision` -> the autocast dtype, or None for fp32 compute. auto: bf16 on GPUs that support
+    it, fp16 on other GPUs, fp32 on the CPU."""
+    name = "auto" if name is None else str(name)
+    if name == "auto":
+        if accelerator == "cuda" and torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return None
+    table = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in table:
+        raise RlhfError(f"device.mixed_precision={name} is unknown; use auto, no, bf16 or fp16")
+    return table[name]
+
+
+def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
+    """(storage dtype of frozen weights from `model.dtype`, compute dtype from `device.mixed_precision`).
+
+    Frozen weights (the reference / base, the reward model, frozen trunks) may be stored in bf16/fp16 to save
+    memory; every trainable parameter keeps fp32 master weights and optimizer state, and runs under autocast at
+    the compute dtype (None: fp32)."""
+    acc = str(cfg.device.accelerator)
+    storage = resolve_dtype(cfg.model.dtype, acc)
+    compute = resolve_compute_dtype(cfg.device.get("mixed_precision"), acc)
+    if compute is None and storage != torch.float32:
+        compute = storage  # bf16/fp16 weights cannot meet fp32 activations in a matmul: autocast at their dtype
+    return storage, compute
+
+
 # -------------------------------------------------------------------------------------------------- sources
 def base_model_dir(cfg) -> Path:
     """The base model directory: the embedded tiny model (built on first use), a local dir, or a hub id."""
@@ -208,7 +236,7 @@ def lora_config(lcfg, task_type: str):
     targets = lcfg.target_modules
     if not isinstance(targets, str):
         targets = list(targets)
-    return LoraConfig(r=int(lcfg.r), lora_alpha=int(lcfg.alpha), lora_dropout=float(lcfg.dropout),
+    return LoraConfig(r=int(lcfg.r), lora_alpha=int(lcfg.alpha), lora_dropout=float(lcfg.get("dropout", 0.0)),
                       target_modules=targets, task_type=task_type)
 
 
@@ -232,6 +260,120 @@ def same_vocab(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
 
 
-def save_tokenizer_and_model(model, tokenizer, out_dir: Path) -> None:
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+def check_vocab(tok, model, where) -> int:
+    """The tokenizer must fit the model's embedding (ids past it would index nothing); rows past the tokenizer
+    are allowed (real Qwen3: 151,669 tokens, 151,936 rows) and are never sampled. Returns the tokenizer size."""
+    n_tok = len(tok)
+    emb = model.get_input_embeddings()
+    rows = emb.weight.shape[0] if emb is not None else n_tok
+    if n_tok > rows:
+        raise RlhfError(f"the tokenizer at {where} has {n_tok} tokens but the model's embedding has {rows} rows; "
+                        "use the tokenizer the model was trained with (or resize the model's embeddings)")
+    return n_tok
+
+
+def check_finite(model, what: str, where) -> None:
+    """Refuse a model with NaN/inf weights (e.g. written by a run whose learning rate was far too high)."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise RlhfError(f"{what} at {where} has non-finite weights ({name}); it came from a diverged run: "
+                            "retrain it with a lower learning rate")
+
+
+def fp32_trainables(model) -> None:
+    """Trainable parameters in fp32 (master weights for AdamW; bf16 would round small updates to nothing),
+    frozen ones left in their storage dtype."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def _adapter_base(path: Path, fallback) -> Path:
+    """The base of an adapter directory: the one it records if it exists, else `fallback`."""
+    from rlhf_cli.io import read_json
+
+    recorded = read_json(path / "adapter_config.json").get("base_model_name_or_path")
+    for cand in (recorded, fallback):
+        if cand and Path(cand).is_dir():
+            return Path(cand)
+    raise RlhfError(f"the base model of the adapter at {path} is not found (recorded: {recorded}, configured: "
+                    f"{fallback}); set ppo.policy_dir to the SFT model it was trained on")
+
+
+def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: bool = False):
+    """The one way to load a policy: a plain model directory, or a LoRA adapter on top of its base (the base
+    it records, else `base_dir`). An SFT adapter used as a base is merged first, so that "adapter disabled"
+    is exactly the SFT policy. merge=True returns a plain model (tied output layers handled)."""
+    path = Path(path)
+    if not (path / "adapter_config.json").exists():
+        if not (path / "config.json").exists():
+            raise RlhfError(f"{path} holds no model (config.json or adapter_config.json); point the config at "
+                            "an `rlhf sft` or `rlhf ppo` output")
+        model = load_causal_lm(path, dtype, model_cfg)
+    else:
+        from peft import PeftModel
+
+        base = load_policy(_adapter_base(path, base_dir), dtype, model_cfg, merge=True)
+        model = PeftModel.from_pretrained(base, str(path))
+        if merge:
+            model = merge_lora(model)
+    check_finite(model, "the policy", path)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------- PPO models
+def build_ppo_models(cfg, tok, device, storage: torch.dtype):
+    """`PPOModels` for `rlhf ppo`: the SFT policy with a fresh LoRA adapter (its adapter-disabled self is the
+    reference; full fine-tuning gets a frozen copy instead), the value model (from the reward model, the SFT
+    policy, the base or a directory; all weights trained, or LoRA + score head on a frozen trunk) and the
+    frozen reward model. Frozen weights are stored in `storage`; trainable ones in fp32."""
+    import copy
+
+    from rlhf_cli.config import require_dir
+    from rlhf_cli.io import read_json
+    from rlhf_cli.ppo.rollout import TokenValueModel
+    from rlhf_cli.ppo.trainer import PPOModels
+
+    p = cfg.ppo
+    policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
+    reward_dir = require_dir(p.reward_dir, "reward model (ppo.reward_dir)", "rlhf reward", marker="config.json")
+    if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
+        raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({policy_dir}); "
+                        "train the reward model from the same base (rlhf reward) or point ppo.reward_dir at one")
+    lora = bool(p.lora.enabled)
+    policy = load_policy(policy_dir, storage if lora else torch.float32, cfg.model, merge=True)
+    check_vocab(tok, policy, policy_dir)
+    ref = None
+    if lora:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, lora_config(p.lora, "CAUSAL_LM"))
+    else:
+        ref = copy.deepcopy(policy).to(storage).eval().requires_grad_(False).to(device)
+    policy.generation_config.pad_token_id = tok.pad_token_id
+
+    value_src = {"reward": reward_dir, "sft": policy_dir}.get(str(p.value_init))
+    if value_src is None:
+        value_src = base_model_dir(cfg) if str(p.value_init) == "base" else \
+            require_dir(p.value_init, "value model init (ppo.value_init)", "rlhf reward")
+    value = load_seq_cls(value_src, tok, storage if p.value_lora else torch.float32, cfg.model)
+    stats_file = reward_dir / "score_stats.json"
+    stats = read_json(stats_file) if stats_file.exists() else None
+    if p.normalize_scores and stats is None:
+        log.warning("ppo: %s has no score_stats.json; scores are not normalised", reward_dir)
+    if p.normalize_scores and stats is not None and str(p.value_init) == "reward":
+        # The returns are built from normalised scores; a value head copied from the RM predicts raw scores,
+        # std times too large, and its first values would be noise. Rescale the head to the same units.
+        with torch.no_grad():
+            TokenValueModel(value).head.weight.div_(float(stats["std"]))
+    if p.value_lora:
+        from peft import get_peft_model
+
+        value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
+    reward = load_seq_cls(reward_dir, tok, storage, cfg.model).eval().requires_grad_(False)
+    check_finite(reward, "the reward model", reward_dir)
+    for m in (policy, value):
+        fp32_trainables(m)
+    # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
+    return PPOModels(policy=policy.to(device).eval(), ref=ref, value=TokenValueModel(value).to(device).eval(),
+                     reward=TokenValueModel(reward).to(device).eval(), score_stats=stats, value_source=str(value_src))

@@ -115,11 +115,12 @@ def test_value_model_starts_in_normalised_score_units(chain):
     from rlhf_cli.config import compose
     from rlhf_cli.models import load_tokenizer
     from rlhf_cli.ppo.rollout import position_ids_from
-    from rlhf_cli.stages.ppo import build_models
+    from rlhf_cli.models import build_ppo_models
 
     cfg = compose("ppo", ["recipe=tiny", f"run_dir={chain / 'runs/tiny'}", "device.threads=1"])
     tok = load_tokenizer(cfg.ppo.policy_dir, cfg.model)
-    _, _, value, reward, stats, _ = build_models(cfg, tok, "cpu")
+    m = build_ppo_models(cfg, tok, "cpu", torch.float32)
+    value, reward, stats = m.value, m.reward, m.score_stats
     enc = tok(["Thanks for asking! Rinse the rice."], return_tensors="pt")
     pos = position_ids_from(enc["attention_mask"])
     with torch.no_grad():

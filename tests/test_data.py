@@ -227,7 +227,7 @@ def test_missing_key_names_row_and_keys(tmp_path):
     with pytest.raises(RlhfError) as e:
         load(path)
     msg = one_line(e)
-    assert msg.startswith(f"{path}: row 2 is missing required key(s) rejected for the seed format")
+    assert msg.startswith(f"{path}: line 2 is missing required key(s) rejected for the seed format")
 
 
 def test_missing_keys_with_explicit_format(tmp_path):
@@ -235,7 +235,7 @@ def test_missing_keys_with_explicit_format(tmp_path):
     with pytest.raises(RlhfError) as e:
         load(path, fmt="prompt")
     msg = one_line(e)
-    assert str(path) in msg and "row 1" in msg and "prompt, rejected" in msg
+    assert str(path) in msg and "line 1" in msg and "prompt, rejected" in msg
 
 
 def test_messages_format_missing_key(tmp_path):
@@ -243,7 +243,7 @@ def test_messages_format_missing_key(tmp_path):
                                               {"text": "x"}])
     with pytest.raises(RlhfError) as e:
         load(path)
-    assert "row 2 is missing required key(s) messages" in one_line(e)
+    assert "line 2 is missing required key(s) messages" in one_line(e)
 
 
 def test_unknown_first_row_lists_expected_formats(tmp_path):
@@ -251,7 +251,7 @@ def test_unknown_first_row_lists_expected_formats(tmp_path):
     with pytest.raises(RlhfError) as e:
         load(path)
     msg = one_line(e)
-    assert msg.startswith(f"{path}: row 1 has keys ['answer', 'question']")
+    assert msg.startswith(f"{path}: line 1 has keys ['answer', 'question']")
     assert "question/chosen/rejected" in msg
 
 
@@ -265,7 +265,7 @@ def test_last_message_must_be_the_answer(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [USER]}])
     with pytest.raises(RlhfError) as e:
         load(path)
-    assert one_line(e) == f"{path}: row 1: the last message must be the assistant's answer (messages format)"
+    assert one_line(e) == f"{path}: line 1: the last message must be the assistant's answer (messages format)"
 
 
 def test_non_string_answers_are_rejected(tmp_path):
@@ -274,7 +274,100 @@ def test_non_string_answers_are_rejected(tmp_path):
     with pytest.raises(RlhfError) as e:
         load(path)
     msg = one_line(e)
-    assert msg.startswith(f"{path}: row 2:") and "rejected is NoneType" in msg
+    assert msg.startswith(f"{path}: line 2:") and "rejected is NoneType" in msg
+
+
+# ------------------------------------------------------------------------------ encodings and file lines
+SEED_ROW = {"question": "你好吗?", "chosen": "很好,谢谢。", "rejected": "不知道。"}
+SEED_EXAMPLE = Example([{"role": "user", "content": "你好吗?"}], "很好,谢谢。", "不知道。")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_utf8_bom_loads(tmp_path, suffix):
+    path = tmp_path / f"bom{suffix}"
+    body = json.dumps(SEED_ROW, ensure_ascii=False) + "\n" if suffix == ".jsonl" else json.dumps([SEED_ROW])
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    assert load(path) == [SEED_EXAMPLE]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_gbk_file_names_file_line_and_iconv(tmp_path, suffix):
+    path = tmp_path / f"gbk{suffix}"
+    ascii_row = json.dumps({"question": "q", "chosen": "a", "rejected": "b"})
+    path.write_bytes(f"{ascii_row}\n\n{ascii_row}\n".encode() + json.dumps(SEED_ROW, ensure_ascii=False)
+                     .encode("gbk") + b"\n")
+    with pytest.raises(RlhfError) as e:
+        read_rows(str(path))
+    assert one_line(e) == (f"{path}: not UTF-8 (line 4); convert it, e.g. "
+                           f"`iconv -f GBK -t UTF-8 {path} > fixed{suffix}`")
+
+
+def test_utf16_file_suggests_utf16(tmp_path):
+    path = tmp_path / "notepad.jsonl"
+    path.write_text(json.dumps(SEED_ROW, ensure_ascii=False) + "\n", encoding="utf-16")
+    with pytest.raises(RlhfError) as e:
+        read_rows(str(path))
+    assert "not UTF-8 (line 1)" in one_line(e) and "iconv -f UTF-16 -t UTF-8" in one_line(e)
+
+
+def test_missing_key_after_blank_lines_names_the_file_line(tmp_path):
+    good = json.dumps({"question": "q", "chosen": "a", "rejected": "b"})
+    bad = json.dumps({"question": "q", "chosen": "a"})
+    path = tmp_path / "gaps.jsonl"
+    # rows 1-4 on lines 1, 3, 4, 7; the fifth row, missing `rejected`, on line 9
+    path.write_text(f"{good}\n\n{good}\n{good}\n  \n\n{good}\n\n{bad}\n", encoding="utf-8")
+    with pytest.raises(RlhfError) as e:
+        load(path)
+    assert one_line(e).startswith(f"{path}: line 9 is missing required key(s) rejected for the seed format")
+
+
+def test_row_errors_after_blank_lines_name_the_file_line(tmp_path):
+    good = json.dumps({"question": "q", "chosen": "a", "rejected": "b"})
+    path = tmp_path / "gaps.jsonl"
+    path.write_text(f"\n\n{good}\n\n" + json.dumps({"question": "q", "chosen": "a", "rejected": None}) + "\n")
+    with pytest.raises(RlhfError) as e:
+        load(path)
+    assert one_line(e).startswith(f"{path}: line 5: the answers must be strings")
+    path.write_text("\n\n" + json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(RlhfError) as e:
+        load(path)
+    assert one_line(e).startswith(f"{path}: line 3 has keys")
+
+
+def test_json_list_errors_name_the_item(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([SEED_ROW, {"question": "q"}], indent=2), encoding="utf-8")
+    with pytest.raises(RlhfError) as e:
+        load(path)
+    assert one_line(e).startswith(f"{path}: row 2 is missing required key(s) chosen, rejected")
+
+
+def test_crlf_file_with_blank_lines_loads(tmp_path):
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(("\r\n".join(json.dumps(r, ensure_ascii=False) for r in [SEED_ROW] * 3) + "\r\n\r\n")
+                     .encode("utf-8"))
+    assert load(path) == [SEED_EXAMPLE] * 3
+    rows = [SEED_ROW, SEED_ROW, {"question": "q"}]
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows)
+                     .encode("utf-8") + b"\r\n")
+    with pytest.raises(RlhfError) as e:
+        load(path)
+    assert one_line(e).startswith(f"{path}: line 5 is missing required key(s) chosen, rejected")
+
+
+def test_crlf_file_trains_through_load_examples(tmp_path):
+    path = tmp_path / "windows.jsonl"
+    rows = [{"question": f"q{i}", "chosen": "a", "rejected": "b"} for i in range(4)]
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n\r\n".join(json.dumps(r) for r in rows).encode() + b"\r\n")
+    train, evals = load_examples(data_cfg(path))
+    assert sorted(e.prompt[0]["content"] for e in train + evals) == [f"q{i}" for i in range(4)]
+
+
+def test_read_rows_is_still_a_list_of_dicts(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [SEED_ROW])
+    rows = read_rows(str(path))
+    assert isinstance(rows, list) and rows == [SEED_ROW]
+    assert load(path) == to_examples(list(rows), "auto", str(path))  # a plain list still works
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])

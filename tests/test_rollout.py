@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.rollout import Rollout, TokenValueModel, position_ids_from, response_slice, truncate_at_stop
-from rlhf_cli.stages.ppo import PromptStream
+from rlhf_cli.ppo.experience import Experience
+from rlhf_cli.ppo.rollout import TokenValueModel, position_ids_from, response_slice, truncate_at_stop
+from rlhf_cli.ppo.trainer import PromptStream
 
 PAD, EOS = 3, 2
 
@@ -31,21 +32,22 @@ def test_truncate_with_extra_stop_ids_and_without_stop():
     assert tokens.tolist() == resp.tolist() and mask.tolist() == [[1, 1, 1, 1]]
 
 
-def _rollout(B: int, P: int, R: int, valid: list[int]) -> Rollout:
+def _rollout(B: int, P: int, R: int, valid: list[int]) -> Experience:
     resp_mask = torch.tensor([[1.0] * v + [0.0] * (R - v) for v in valid])
     attn = torch.cat([torch.ones(B, P, dtype=torch.long), resp_mask.long()], 1)
     z = torch.zeros(B, R)
-    return Rollout(input_ids=torch.arange(B * (P + R)).view(B, P + R), attention_mask=attn,
-                   position_ids=position_ids_from(attn), response_ids=torch.ones(B, R, dtype=torch.long),
-                   response_mask=resp_mask, logprobs=z.clone(), ref_logprobs=z.clone(), values=z.clone(),
-                   scores=torch.zeros(B), rm_scores=torch.zeros(B), has_stop=torch.ones(B, dtype=torch.bool),
-                   empty=torch.zeros(B, dtype=torch.bool), entropy=z.clone())
+    return Experience(input_ids=torch.arange(B * (P + R)).view(B, P + R), attention_mask=attn,
+                      position_ids=position_ids_from(attn), response_ids=torch.ones(B, R, dtype=torch.long),
+                      response_mask=resp_mask, logprobs=z.clone(), ref_logprobs=z.clone(), values=z.clone(),
+                      scores=torch.zeros(B), rm_scores=torch.zeros(B), has_stop=torch.ones(B, dtype=torch.bool),
+                      empty=torch.zeros(B, dtype=torch.bool), entropy=z.clone(), texts=[f"r{i}" for i in range(B)])
 
 
 def test_cat_pads_shorter_chunks_and_trim_drops_all_padding_columns():
     a, b = _rollout(2, 3, 4, [2, 1]), _rollout(1, 3, 6, [3])
-    both = Rollout.cat([a, b])
+    both = Experience.cat([a, b])
     assert both.response_ids.shape == (3, 6) and both.input_ids.shape == (3, 9)
+    assert both.texts == ["r0", "r1", "r0"] and both.advantages is None
     assert both.response_mask.sum(-1).tolist() == [2, 1, 3]
     t = both.trim()
     assert t.response_ids.shape == (3, 3) and t.input_ids.shape == (3, 6)  # longest valid response is 3

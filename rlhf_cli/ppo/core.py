@@ -38,6 +38,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "shape_scores",
     "token_rewards",
     "value_loss",
 ]
@@ -249,6 +250,32 @@ def token_rewards(
     score = torch.where(valid.any(dim=-1), scores.to(rewards.dtype), 0.0)
     rewards = rewards.scatter_add(-1, last_token_index(mask).unsqueeze(-1), score.unsqueeze(-1))
     return rewards, kl
+
+
+def shape_scores(
+    rm_scores: Tensor,
+    has_stop: Tensor,
+    empty: Tensor,
+    mean: float | None = None,
+    std: float | None = None,
+    missing_eos_penalty: float | None = None,
+    empty_score: float | None = None,
+) -> Tensor:
+    """score = (rm − mean)/std, − missing_eos_penalty where no stop token was generated, and exactly
+    ``empty_score`` for an empty response.
+
+    Shapes: rm_scores, has_stop (bool), empty (bool) (B,) -> (B,). Each step is skipped when its argument is None.
+    Source: score normalisation and the EOS penalty of [N+]; the empty-response score keeps a policy from
+    learning to say nothing when the reward model happens to like silence.
+    """
+    scores = rm_scores.float()
+    if mean is not None and std is not None:
+        scores = (scores - float(mean)) / float(std)
+    if missing_eos_penalty is not None:
+        scores = torch.where(has_stop, scores, scores - float(missing_eos_penalty))
+    if empty_score is not None:
+        scores = torch.where(empty, torch.full_like(scores, float(empty_score)), scores)
+    return scores
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

@@ -1,79 +1,15 @@
-"""Generation and scoring of one PPO batch into a `Rollout` (no gradients, no parameter updates).
-
-Sequence layout, shared by every forward pass of an update:
-
-    input_ids  = [ pad … pad  prompt | response tokens … EOS  pad … pad ]
-                 └──── P (left-padded) ──┘└────────── R (right-padded) ─────────┘
-
-The logits at position P-1+t predict response token t, so per-token quantities over the response are read
-from positions P-1 … P+R-2, and the reward model's score from the last valid response token (EOS included).
-"""
+"""Sampling primitives: the KV-cache sampling loop (LoRA merged while it runs), stop-token truncation, the
+logits of the response positions, per-token values from a sequence-classification model. The batch built from
+them is `rlhf_cli.ppo.experience.Experience`."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
 from rlhf_cli.ppo import core
-
-
-@dataclass
-class Rollout:
-    input_ids: torch.Tensor       # (B, P+R) left-padded prompt ++ right-padded response
-    attention_mask: torch.Tensor  # (B, P+R) 1 on real prompt and valid response tokens
-    position_ids: torch.Tensor    # (B, P+R) cumsum(attention_mask) - 1: positions as generate() saw them
-    response_ids: torch.Tensor    # (B, R) sampled tokens, cut after the first stop token, pad after it
-    response_mask: torch.Tensor   # (B, R) float, 1 on valid response tokens (EOS included), 0 on padding
-    logprobs: torch.Tensor        # (B, R) log π_old(a_t|s_t) at the sampling temperature
-    ref_logprobs: torch.Tensor    # (B, R) log π_ref(a_t|s_t), adapter disabled, same temperature
-    values: torch.Tensor          # (B, R) V_old(s_t)
-    scores: torch.Tensor          # (B,) score used as reward: normalised RM score, penalties applied
-    rm_scores: torch.Tensor       # (B,) raw reward-model score
-    has_stop: torch.Tensor        # (B,) bool, a stop token was generated
-    empty: torch.Tensor           # (B,) bool, nothing but the stop token (or whitespace) was generated
-    entropy: torch.Tensor         # (B, R) entropy of π_old(·|s_t) at the sampling temperature
-
-    @property
-    def context_length(self) -> int:
-        return self.input_ids.shape[1] - self.response_ids.shape[1]
-
-    def select(self, idx: torch.Tensor) -> Rollout:
-        return Rollout(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
-
-    @staticmethod
-    def cat(parts: list[Rollout]) -> Rollout:
-        """Concatenate chunks; responses are right-padded (and sequences extended) to the longest chunk."""
-        r_max = max(p.response_ids.shape[1] for p in parts)
-        out = {}
-        for f in fields(Rollout):
-            ts = []
-            for p in parts:
-                t = getattr(p, f.name)
-                grow = r_max - p.response_ids.shape[1]
-                if grow and t.dim() == 2:
-                    t = torch.nn.functional.pad(t, (0, grow), value=0)
-                ts.append(t)
-            out[f.name] = torch.cat(ts)
-        return Rollout(**out)
-
-    def trim(self) -> Rollout:
-        """Drop response columns that are padding in every row (responses that stopped early cost nothing)."""
-        keep = int(self.response_mask.sum(-1).max().item()) if self.response_mask.numel() else 0
-        cut = self.response_ids.shape[1] - max(keep, 1)
-        if cut <= 0:
-            return self
-        out = {}
-        for f in fields(self):
-            t = getattr(self, f.name)
-            if f.name in ("input_ids", "attention_mask", "position_ids"):
-                t = t[:, :-cut]
-            elif t.dim() == 2:
-                t = t[:, : t.shape[1] - cut]
-            out[f.name] = t
-        return Rollout(**out)
 
 
 class TokenValueModel(nn.Module):
@@ -125,14 +61,21 @@ def truncate_at_stop(response: torch.Tensor, stop_ids: list[int], pad_id: int) -
     return torch.where(mask.bool(), response, torch.full_like(response, pad_id)), mask
 
 
-def policy_logits(model, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
-    """Logits (B, R, V) predicting the R response tokens; the LM head runs on those positions only."""
+def policy_logits(model, input_ids, attention_mask, position_ids, response_length: int,
+                  vocab_size: int | None = None) -> torch.Tensor:
+    """Logits (B, R, V) predicting the R response tokens; the LM head runs on those positions only. With
+    `vocab_size` smaller than the model's rows (real Qwen3: 151,669 tokens, 151,936 rows) the rows past the
+    tokenizer are cut off, so they are never sampled and never enter a softmax."""
     L = input_ids.shape[1]
     # exactly the R positions P-1 … P+R-2: a contiguous (B, R, d) input to the head, no slice of its output
     keep = torch.arange(L - response_length - 1, L - 1, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=keep, use_cache=False)
-    return out.logits
+    return _vocab(out.logits, vocab_size)
+
+
+def _vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    return logits if vocab_size is None or vocab_size >= logits.shape[-1] else logits[..., :vocab_size]
 
 
 def leading_padding(attention_mask: torch.Tensor, group: int) -> list[int]:
@@ -230,7 +173,7 @@ def lora_merged(model):
 
 @torch.no_grad()
 def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temperature: float = 1.0,
-                keep_logits: bool = False) -> dict:
+                keep_logits: bool = False, vocab_size: int | None = None) -> dict:
     """Token-by-token sampling with a KV cache: {"response" (B, R), "logprobs" (B, R), "entropy" (B, R)} and,
     with keep_logits, the raw "logits" (B, R, V).
 
@@ -273,7 +216,7 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logprobs, entropies, logits_steps = [], [], [], []
     for t in range(R):
-        logits = out.logits[:, -1, :]
+        logits = _vocab(out.logits[:, -1, :], vocab_size)
         if keep_logits:
             logits_steps.append(logits)
         raw = logits.float()
@@ -316,20 +259,37 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
 
 @torch.no_grad()
 def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_ids, temperature,
-                   fixed_length: int | None) -> dict:
+                   fixed_length: int | None, vocab_size: int | None = None) -> dict:
     """Sample responses for one chunk; old log-probs come from the sampling logits (no second forward)."""
     eff = _effective_generation_config(policy, gen_config)
     if _loop_supported(eff):
         with lora_merged(policy):
-            g = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids, score_temperature=temperature)
+            g = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids, score_temperature=temperature,
+                            vocab_size=vocab_size)
         response, logprobs, entropy = g["response"], g["logprobs"], g["entropy"]
     else:
-        out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
+        from transformers import LogitsProcessorList
+
+        procs = LogitsProcessorList([_VocabLimit(vocab_size)] if vocab_size is not None else [])
+        out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
+                              logits_processor=procs)
         response = out.sequences[:, prompt_ids.shape[1]:]
-        logits = torch.stack(out.logits, dim=1)  # (B, R, V) raw logits, temperature not yet applied
+        logits = _vocab(torch.stack(out.logits, dim=1), vocab_size)  # (B, R, V) raw logits, before temperature
         logprobs, entropy = core.logprobs_and_entropy(logits, response, temperature)
     if fixed_length is not None and response.shape[1] < fixed_length:
         raise RuntimeError("generation stopped early although no stop token is configured")
     # tokens after a stop are pad (the loop and generate() both emit pad there); their log-probs are masked
     response, mask = truncate_at_stop(response, stop_ids, tokenizer.pad_token_id)
     return {"response": response, "mask": mask, "logprobs": logprobs, "entropy": entropy}
+
+
+class _VocabLimit:
+    """generate() logits processor: ids past the tokenizer get -inf (never sampled)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = int(vocab_size)
+
+    def __call__(self, input_ids, scores):
+        if scores.shape[-1] > self.vocab_size:
+            scores[:, self.vocab_size:] = float("-inf")
+        return scores

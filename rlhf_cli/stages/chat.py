@@ -4,30 +4,12 @@ output (its LoRA adapter is merged on load)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
-from rlhf_cli.errors import RlhfError
-from rlhf_cli.models import load_causal_lm, load_kwargs, load_tokenizer, merge_lora, resolve_dtype, setup_torch
-
-
-def load_policy(path: str | Path, cfg):
-    """(model, tokenizer) from a plain model directory or a PPO output (adapter merged into its base)."""
-    path = Path(path)
-    dtype = resolve_dtype(cfg.model.dtype, cfg.device.accelerator)
-    if (path / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=dtype, **load_kwargs(cfg.model))
-        model = merge_lora(model)
-    else:
-        model = load_causal_lm(path, dtype, cfg.model)
-    tok = load_tokenizer(path, cfg.model)
-    device = "cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), tok
+from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
 
 
 def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -> str:
@@ -47,10 +29,9 @@ def run(cfg) -> None:
     setup_torch(cfg)
     c = cfg.chat
     path = require_dir(c.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
-    if not ((path / "config.json").exists() or (path / "adapter_config.json").exists()):
-        raise RlhfError(f"{path} holds no model (config.json or adapter_config.json); point chat.model_dir at "
-                        "an `rlhf sft` or `rlhf ppo` output")
-    model, tok = load_policy(path, cfg)
+    device = "cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu"
+    model = load_policy(path, resolve_precision(cfg)[0], cfg.model, base_dir=cfg.ppo.policy_dir, merge=True)
+    model, tok = model.to(device).eval(), load_tokenizer(path, cfg.model)
     system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
     thinking = bool(cfg.model.enable_thinking)
     if c.prompt is not None:

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import data as D
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir, read_json, write_json
-from rlhf_cli.models import load_seq_cls, load_tokenizer, resolve_dtype, same_vocab, setup_torch
+from rlhf_cli.models import (check_finite, check_vocab, load_policy, load_seq_cls, load_tokenizer, resolve_precision,
+                             same_vocab, setup_torch)
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.rollout import TokenValueModel, generate_chunk, policy_logits, position_ids_from
+from rlhf_cli.ppo.experience import Sampling, make_experience
+from rlhf_cli.ppo.rollout import TokenValueModel
+from rlhf_cli.stages import _sampling
 
 log = logging.getLogger("rlhf")
 
@@ -32,45 +34,24 @@ CURVES = [("objective/scores", "RM score (normalised)"), ("objective/ground_trut
           ("response/length_mean", "response length (tokens)"), ("loss/value_avg", "value loss")]
 
 
-def load_policy_for_eval(path: Path, ref_dir: Path, dtype, model_cfg):
-    """A plain model directory, or a PPO output: its adapter on top of the reference base."""
-    from rlhf_cli.stages.ppo import load_policy_base
-
-    if (path / "adapter_config.json").exists():
-        from peft import PeftModel
-
-        return PeftModel.from_pretrained(load_policy_base(ref_dir, dtype, model_cfg), str(path))
-    return load_policy_base(path, dtype, model_cfg)
-
-
 @torch.no_grad()
-def sample_and_score(policy, ref, rm, tok, prompts: list[str], e, stop_ids, device, seed: int) -> dict:
-    from transformers import GenerationConfig
-
+def sample_and_score(policy, ref, rm, tok, prompts: list[str], s: Sampling, device, seed: int, autocast,
+                     progress=None) -> dict:
+    """Responses of `policy` to `prompts` through PPO's own sampling path, with their RM score and KL to `ref`."""
     torch.manual_seed(seed)
-    gen = GenerationConfig(max_new_tokens=int(e.response_length), do_sample=not e.greedy,
-                           temperature=float(e.temperature), top_k=int(e.top_k), top_p=float(e.top_p),
-                           pad_token_id=tok.pad_token_id, eos_token_id=stop_ids, use_cache=True,
-                           return_dict_in_generate=True, output_logits=True)
-    temp = 1.0 if e.greedy else float(e.temperature)
     out = {"texts": [], "rm_score": [], "kl": [], "length": [], "eos": [], "empty": []}
-    for i in range(0, len(prompts), int(e.batch_size)):
-        enc = tok(prompts[i: i + int(e.batch_size)], return_tensors="pt", padding=True,
-                  add_special_tokens=False).to(device)
-        g = generate_chunk(policy, tok, enc["input_ids"], enc["attention_mask"], gen, stop_ids, temp, None)
-        resp, mask = g["response"], g["mask"]
-        ids = torch.cat([enc["input_ids"], resp], 1)
-        attn = torch.cat([enc["attention_mask"], mask.long()], 1)
-        pos = position_ids_from(attn)
-        ref_lp = core.logprobs_from_logits(policy_logits(ref, ids, attn, pos, resp.shape[1]), resp, temp)
-        last = enc["input_ids"].shape[1] + core.last_token_index(mask)
-        texts = tok.batch_decode(resp, skip_special_tokens=True)
-        out["texts"] += texts
-        out["rm_score"] += rm.score_at(ids, attn, pos, last).tolist()
-        out["kl"] += core.masked_sum(g["logprobs"] - ref_lp, mask, dim=-1).tolist()
-        out["length"] += mask.sum(-1).tolist()
-        out["eos"] += torch.isin(resp, torch.tensor(stop_ids, device=device)).any(-1).tolist()
-        out["empty"] += [not t.strip() for t in texts]
+    for i in range(0, len(prompts), s.forward_batch_size):
+        with autocast():
+            exp = make_experience(prompts[i: i + s.forward_batch_size], tok, policy, s, ref_model=ref,
+                                  reward_model=rm, device=device)
+        out["texts"] += exp.texts
+        out["rm_score"] += exp.rm_scores.tolist()
+        out["kl"] += core.masked_sum(exp.logprobs - exp.ref_logprobs, exp.response_mask, dim=-1).tolist()
+        out["length"] += exp.response_mask.sum(-1).tolist()
+        out["eos"] += exp.has_stop.tolist()
+        out["empty"] += exp.empty.tolist()
+        if progress is not None:
+            progress.update(len(exp.texts))
     return out
 
 
@@ -155,10 +136,14 @@ def markdown(report: dict) -> str:
 
 
 def run(cfg) -> None:
+    import contextlib
+
+    from tqdm.auto import tqdm
+
     setup_torch(cfg)
     e = cfg.eval
-    device = "cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu"
-    dtype = resolve_dtype(cfg.model.dtype, cfg.device.accelerator)
+    device = torch.device("cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu")
+    storage, compute = resolve_precision(cfg)
     ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
     reward_dir = require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json")
     made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo"}
@@ -167,27 +152,26 @@ def run(cfg) -> None:
     tok = load_tokenizer(ref_dir, cfg.model)
     if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
         raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({ref_dir})")
-    thinking = bool(cfg.model.enable_thinking)
-    templ = bool(cfg.data.chat_template)
-    _, evals = D.load_examples(cfg.data, need_rejected=False)
-    if not evals:
-        raise RlhfError("no held-out prompts: set data.eval_path or data.eval_ratio > 0")
-    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking, templ)
-    evals = evals[: int(e.num_prompts)]
-    prompts = [D.prompt_text(tok, ex.prompt, thinking, templ) for ex in evals]
-    stop_ids = [tok.eos_token_id, *[int(i) for i in cfg.ppo.stop_token_ids]]
+    prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
     gt = None
     if cfg.data.get("ground_truth") == "demo_polite":
         from rlhf_cli.demo import is_polite as gt
 
-    rm = TokenValueModel(load_seq_cls(reward_dir, tok, dtype, cfg.model)).to(device).eval()
-    ref = load_policy_for_eval(ref_dir, ref_dir, dtype, cfg.model).to(device).eval()
+    rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model)
+    check_finite(rm_model, "the reward model", reward_dir)
+    rm = TokenValueModel(rm_model).to(device).eval()
+    ref = load_policy(ref_dir, storage, cfg.model, merge=True).to(device).eval()
+    s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
+                           recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True)
+    autocast = (lambda: torch.autocast(device.type, dtype=compute)) if compute is not None else contextlib.nullcontext
     results = {}
+    bar = tqdm(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True)
     for name, path in policy_dirs.items():
-        policy = load_policy_for_eval(path, ref_dir, dtype, cfg.model).to(device).eval()
-        results[name] = sample_and_score(policy, ref, rm, tok, prompts, e, stop_ids, device, int(cfg.seed))
+        policy = load_policy(path, storage, cfg.model, base_dir=ref_dir).to(device).eval()
+        results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(cfg.seed), autocast, bar)
         del policy
         log.info("eval: %s done", name)
+    bar.close()
 
     report = {"num_prompts": len(prompts), "reward_dir": str(reward_dir), "reference": str(ref_dir),
               "policies": {n: summarise(s, gt) for n, s in results.items()}, "win_rate": {}, "samples": {}}

@@ -9,24 +9,19 @@ from pathlib import Path
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir
-from rlhf_cli.models import load_tokenizer, merge_lora, resolve_dtype, setup_torch
+from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
 
 log = logging.getLogger("rlhf")
 
 
 def run(cfg) -> None:
     setup_torch(cfg)
-    from peft import PeftModel
-
-    from rlhf_cli.stages.ppo import load_policy_base
-
     ppo_dir = require_dir(cfg.ppo.output_dir, "PPO output (ppo.output_dir)", "rlhf ppo")
     if not (ppo_dir / "adapter_config.json").exists():
         raise RlhfError(f"{ppo_dir} holds no LoRA adapter (adapter_config.json); a full fine-tune is already a "
                         "complete model")
     base_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
-    dtype = resolve_dtype(cfg.model.dtype, cfg.device.accelerator)
-    model = merge_lora(PeftModel.from_pretrained(load_policy_base(base_dir, dtype, cfg.model), str(ppo_dir)))
+    model = load_policy(ppo_dir, resolve_precision(cfg)[0], cfg.model, base_dir=base_dir, merge=True)
     tok = load_tokenizer(ppo_dir, cfg.model)
     target = Path(cfg.export.output_dir or ppo_dir / "merged")
     with atomic_dir(target) as out:

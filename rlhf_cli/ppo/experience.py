@@ -1,0 +1,185 @@
+"""The one sample-and-score path: prompts -> responses -> old / reference log-probs, values, reward-model scores,
+as a typed `Experience` batch. PPO's rollout and `rlhf eval` both go through `make_experience`, so what eval
+measures is what PPO trained on (same stop tokens, temperature, vocabulary limit and forward).
+
+Sequence layout, shared by every forward pass of an update:
+
+    input_ids  = [ pad … pad  prompt | response tokens … EOS  pad … pad ]
+                 └──── P (left-padded) ──┘└────────── R (right-padded) ─────────┘
+
+The logits at position P-1+t predict response token t, so per-token quantities over the response are read
+from positions P-1 … P+R-2, and the reward model's score from the last valid response token (EOS included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo.rollout import generate_chunk, policy_logits, position_ids_from, response_slice
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are drawn and scored; one definition for PPO and eval."""
+
+    max_new_tokens: int
+    temperature: float                 # sampling temperature, and the scoring one (log-probs of π at τ)
+    pad_id: int
+    eos_id: int
+    stop_ids: tuple[int, ...] = ()     # tokens that end a response; empty: fixed length (EOS masked while sampling)
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False               # argmax instead of sampling (eval); log-probs then at τ = 1
+    forward_batch_size: int = 32       # prompts generated and scored together
+    vocab_size: int | None = None      # logits past the tokenizer's last id are never sampled nor scored
+    recompute_logprobs: bool = False   # old log-probs from the training forward instead of the sampling pass
+
+    @property
+    def score_temperature(self) -> float:
+        return 1.0 if self.greedy else float(self.temperature)
+
+    def generation_config(self):
+        from transformers import GenerationConfig
+
+        stop = list(self.stop_ids)
+        return GenerationConfig(
+            max_new_tokens=int(self.max_new_tokens), do_sample=not self.greedy, temperature=float(self.temperature),
+            top_k=int(self.top_k), top_p=float(self.top_p), pad_token_id=int(self.pad_id),
+            eos_token_id=stop or int(self.eos_id), use_cache=True, return_dict_in_generate=True,
+            output_logits=True,
+            # no stop token: EOS is masked while sampling so every response has exactly max_new_tokens tokens
+            min_new_tokens=0 if stop else int(self.max_new_tokens))
+
+
+@dataclass
+class Experience:
+    """One batch of episodes. Per-token fields are over the R response positions."""
+
+    input_ids: torch.Tensor       # (B, P+R) left-padded prompt ++ right-padded response
+    attention_mask: torch.Tensor  # (B, P+R) 1 on real prompt and valid response tokens
+    position_ids: torch.Tensor    # (B, P+R) cumsum(attention_mask) - 1: positions as generation saw them
+    response_ids: torch.Tensor    # (B, R) sampled tokens, cut after the first stop token, pad after it
+    response_mask: torch.Tensor   # (B, R) float, 1 on valid response tokens (EOS included), 0 on padding
+    logprobs: torch.Tensor        # (B, R) log π_old(a_t|s_t) at the sampling temperature
+    ref_logprobs: torch.Tensor    # (B, R) log π_ref(a_t|s_t), same temperature
+    entropy: torch.Tensor         # (B, R) entropy of π_old(·|s_t) at the sampling temperature
+    has_stop: torch.Tensor        # (B,) bool, a stop token was generated
+    empty: torch.Tensor           # (B,) bool, nothing but the stop token (or whitespace) was generated
+    texts: list[str]              # B decoded responses (special tokens skipped)
+    values: torch.Tensor | None = None     # (B, R) V_old(s_t); None without a value model
+    rm_scores: torch.Tensor | None = None  # (B,) raw reward-model score at the last valid response token
+    scores: torch.Tensor | None = None     # (B,) the score PPO optimises (core.shape_scores of rm_scores)
+    rewards: torch.Tensor | None = None    # (B, R) per-token rewards: -β·KL, + score on the last token
+    kl: torch.Tensor | None = None         # (B, R) per-token KL estimate, 0 on padding
+    advantages: torch.Tensor | None = None  # (B, R) whitened GAE advantages
+    returns: torch.Tensor | None = None     # (B, R) advantages (before whitening) + values
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def context_length(self) -> int:
+        return self.input_ids.shape[1] - self.response_ids.shape[1]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_ids.shape[1]
+
+    def with_(self, **kw) -> Experience:
+        return replace(self, **kw)
+
+    @staticmethod
+    def cat(parts: list[Experience]) -> Experience:
+        """Concatenate chunks; responses are right-padded (and sequences extended) to the longest chunk."""
+        r_max = max(p.response_ids.shape[1] for p in parts)
+        out = {}
+        for f in fields(Experience):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name == "extras":
+                out[f.name] = {}
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif vals[0] is None:
+                out[f.name] = None
+            else:
+                out[f.name] = torch.cat([
+                    torch.nn.functional.pad(t, (0, r_max - p.response_ids.shape[1]), value=0)
+                    if t.dim() == 2 and r_max > p.response_ids.shape[1] else t
+                    for t, p in zip(vals, parts)])
+        return Experience(**out)
+
+    def trim(self) -> Experience:
+        """Drop response columns that are padding in every row (responses that stopped early cost nothing)."""
+        keep = int(self.response_mask.sum(-1).max().item()) if self.response_mask.numel() else 0
+        cut = self.response_ids.shape[1] - max(keep, 1)
+        if cut <= 0:
+            return self
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if isinstance(t, torch.Tensor) and t.dim() == 2:
+                t = t[:, : t.shape[1] - cut]
+            out[f.name] = t
+        return Experience(**out)
+
+
+def reference_logits(policy, ref_model, input_ids, attention_mask, position_ids, response_length: int,
+                     vocab_size: int | None = None) -> torch.Tensor:
+    """The reference's logits (B, R, V): an explicit frozen model, or the policy with its adapter disabled (a
+    policy without an adapter is its own reference)."""
+    adapter = ref_model is None and hasattr(policy, "disable_adapter")
+    ctx = policy.disable_adapter() if adapter else contextlib.nullcontext()
+    with ctx:
+        return policy_logits(ref_model if ref_model is not None else policy, input_ids, attention_mask,
+                             position_ids, response_length, vocab_size)
+
+
+@torch.no_grad()
+def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=None, value_model=None,
+                    reward_model=None, device="cpu") -> Experience:
+    """Sample a response per prompt and score it, `s.forward_batch_size` prompts at a time.
+
+    policy: the model that samples (a PEFT model: its adapter-disabled self is the reference unless `ref_model`
+    is given). value_model / reward_model: `TokenValueModel`s, optional (eval has no value model). The
+    log-probs come from the sampling pass, or with `s.recompute_logprobs` from a full forward like the
+    update's (the two disagree in low precision)."""
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    gen_config = s.generation_config()
+    stop_ids = list(s.stop_ids)
+    temp = s.score_temperature
+    fixed = None if stop_ids or s.greedy else int(s.max_new_tokens)
+    stop_t = torch.tensor(stop_ids, device=device) if stop_ids else None
+    chunks = []
+    for i in range(0, len(prompts), max(int(s.forward_batch_size), 1)):
+        q_ids = enc["input_ids"][i: i + s.forward_batch_size].to(device)
+        q_mask = enc["attention_mask"][i: i + s.forward_batch_size].to(device)
+        g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size)
+        resp, rmask = g["response"], g["mask"]
+        R = resp.shape[1]
+        input_ids = torch.cat([q_ids, resp], 1)
+        attn = torch.cat([q_mask, rmask.long()], 1)
+        pos = position_ids_from(attn)
+        logprobs, entropy = g["logprobs"], g["entropy"]
+        if s.recompute_logprobs:
+            logits = policy_logits(policy, input_ids, attn, pos, R, s.vocab_size)
+            logprobs, entropy = core.logprobs_and_entropy(logits, resp, temp)
+            del logits
+        ref_logits = reference_logits(policy, ref_model, input_ids, attn, pos, R, s.vocab_size)
+        # divided in place (the same numbers as passing the temperature): one (B, R, V) buffer less at the peak
+        ref_logprobs = core.logprobs_from_logits(ref_logits.div_(temp) if temp != 1.0 else ref_logits, resp, 1.0)
+        del ref_logits
+        values = response_slice(value_model(input_ids, attn, pos), R) if value_model is not None else None
+        rm_scores = None
+        if reward_model is not None:
+            last = q_ids.shape[1] + core.last_token_index(rmask)
+            rm_scores = reward_model.score_at(input_ids, attn, pos, last)
+        has_stop = torch.isin(resp, stop_t).any(-1) if stop_t is not None \
+            else torch.zeros(resp.shape[0], dtype=torch.bool, device=device)
+        texts = tok.batch_decode(resp, skip_special_tokens=True)
+        empty = torch.tensor([not t.strip() for t in texts], device=device)
+        chunks.append(Experience(input_ids=input_ids, attention_mask=attn, position_ids=pos, response_ids=resp,
+                                 response_mask=rmask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+                                 has_stop=has_stop, empty=empty, texts=texts, values=values, rm_scores=rm_scores))
+    return Experience.cat(chunks).trim()

@@ -1,0 +1,367 @@
+"""The PPO-RLHF loop (`PPOTrainer.train`), one numbered step at a time:
+
+    step 1+2. make_experience     sample responses for a batch of prompts and score them (old / reference
+                                  log-probs, values, reward-model scores, shaped scores)
+    step 3+4. compute_advantages  per-token rewards (score on the last response token, -kl_coef·KL on every
+                                  token), GAE advantages whitened with statistics over all processes
+    step 5.   update              PPO epochs over shuffled mini-batches, micro-batches with gradient accumulation
+    step 6.   log / save          metrics, sample table, checkpoint
+
+The trainer does no config parsing and no printing of its own: the CLI stage builds it (models, prompts,
+`PPOConfig`, `PPOSizes`), and the benchmark and the stage observe it through `Hooks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.ppo import checkpoint, core
+from rlhf_cli.ppo.config import PPOConfig
+from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
+from rlhf_cli.ppo.rollout import leading_padding, policy_logits, response_slice
+
+STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")
+
+
+@dataclass
+class PPOModels:
+    policy: torch.nn.Module        # trainable: a PEFT LoRA model (reference = adapter disabled) or a full model
+    ref: torch.nn.Module | None    # None: the policy with its adapter disabled; else a frozen copy
+    value: torch.nn.Module         # TokenValueModel, trainable (all weights, or LoRA + head)
+    reward: torch.nn.Module        # TokenValueModel, frozen
+    score_stats: dict | None       # the reward model's score mean / std (for normalisation), or None
+    value_source: str              # where the value model came from (for the log)
+
+
+@dataclass
+class Hooks:
+    """Observation points for the CLI and the benchmark (no patching of the trainer)."""
+
+    on_train_start: Callable[[PPOTrainer], None] = lambda trainer: None
+    on_update_start: Callable[[int], None] = lambda update: None
+    on_update: Callable[[int, dict], None] = lambda update, metrics: None
+    on_save: Callable[[Path], None] = lambda path: None
+    clock: Callable[[], float] = time.perf_counter
+
+
+class PromptStream:
+    """Repeating, shuffled prompt stream; each process takes a disjoint shard. Its position is a checkpoint
+    counter, so a resumed run continues with the prompts it would have seen."""
+
+    def __init__(self, prompts: list[str], seed: int, rank: int, world: int) -> None:
+        self.prompts, self.seed, self.rank, self.world = prompts, seed, rank, world
+        self.consumed = 0  # prompts taken by this process so far
+
+    def _order(self, epoch: int) -> list[int]:
+        idx = list(range(len(self.prompts)))
+        random.Random(self.seed + epoch).shuffle(idx)
+        return idx[self.rank:: self.world] or idx
+
+    def take(self, n: int) -> list[str]:
+        out = []
+        while len(out) < n:
+            shard_epoch, pos = divmod(self.consumed, len(self._order(0)))
+            order = self._order(shard_epoch)
+            take = min(n - len(out), len(order) - pos)
+            out.extend(self.prompts[i] for i in order[pos: pos + take])
+            self.consumed += take
+        return out
+
+
+@dataclass
+class Progress:
+    update: int = 0        # updates done
+    episodes: int = 0      # episodes done, over all processes
+    metrics: dict = field(default_factory=dict)
+
+
+class PPOTrainer:
+    def __init__(self, c: PPOConfig, sizes, models: PPOModels, tok, stream: PromptStream, sampling: Sampling,
+                 accelerator, work_dir: Path, compute_dtype: torch.dtype | None = None,
+                 ground_truth: Callable[[str], bool] | None = None, writer=None, hooks: Hooks | None = None):
+        from transformers import get_scheduler
+
+        self.c, self.sizes, self.tok, self.stream, self.sampling = c, sizes, tok, stream, sampling
+        self.acc, self.work, self.compute_dtype = accelerator, work_dir, compute_dtype
+        self.ground_truth, self.writer, self.hooks = ground_truth, writer, hooks or Hooks()
+        self.device, self.world, self.rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+        self.ref, self.reward, self.score_stats = models.ref, models.reward, models.score_stats
+        # one AdamW, two parameter groups (policy, value) with their own learning rates; fp32 master weights
+        self.pol_params = [q for q in models.policy.parameters() if q.requires_grad]
+        self.val_params = [q for q in models.value.parameters() if q.requires_grad]
+        optimizer = torch.optim.AdamW([{"params": self.pol_params, "lr": c.learning_rate},
+                                       {"params": self.val_params, "lr": c.value_lr}],
+                                      lr=c.learning_rate, weight_decay=c.weight_decay, eps=1e-5)
+        total_steps = sizes.num_updates * c.num_ppo_epochs * sizes.num_mini_batches
+        self.scheduler = get_scheduler(c.lr_scheduler_type, optimizer,
+                                       num_warmup_steps=int(c.warmup_ratio * total_steps),
+                                       num_training_steps=total_steps)
+        self.policy, self.value, self.optimizer = accelerator.prepare(models.policy, models.value, optimizer)
+        if self.world > 1:
+            # weights are already in sync (DDP broadcasts rank 0's); sampling must differ between ranks
+            torch.manual_seed(int(stream.seed) + self.rank)
+        self.unwrapped = accelerator.unwrap_model(self.policy)
+        self.kl_ctl = (core.AdaptiveKLController(c.kl_coef, c.adaptive_kl_target, c.kl_horizon) if c.adaptive_kl
+                       else core.FixedKLController(c.kl_coef))
+        self.progress = Progress()
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def autocast(self):
+        """Forward passes run under autocast at the compute dtype; trainable weights stay fp32."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def allreduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.acc.reduce(t, "sum") if self.world > 1 else t
+
+    def global_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return self.acc.reduce(t.float().mean(), "mean") if self.world > 1 else t.float().mean()
+
+    def _fail(self, what: str, fix: str) -> None:
+        raise RlhfError(f"ppo: {what} at update {self.progress.update + 1}; {fix}")
+
+    # ---------------------------------------------------------------------------------- step 1 + 2
+    def make_experience(self) -> Experience:
+        """Sample one batch of prompts and score it; the score is shaped (normalised, EOS / empty penalties)."""
+        c = self.c
+        with self.autocast():
+            exp = make_experience(self.stream.take(self.sizes.local_batch_size), self.tok, self.unwrapped,
+                                  self.sampling, ref_model=self.ref, value_model=self.value,
+                                  reward_model=self.reward, device=self.device)
+        if not bool(torch.isfinite(exp.rm_scores).all()):
+            self._fail("the reward model gave non-finite scores",
+                       "the reward model is broken: retrain it (`rlhf reward` with a lower reward.learning_rate)")
+        if not bool(torch.isfinite(exp.values).all()) or not bool(torch.isfinite(exp.logprobs).all()):
+            self._fail("the policy or value model gave non-finite outputs",
+                       f"lower ppo.learning_rate (now {c.learning_rate:g})")
+        st = self.score_stats if c.normalize_scores else None
+        scores = core.shape_scores(exp.rm_scores, exp.has_stop, exp.empty,
+                                   mean=st["mean"] if st else None, std=st["std"] if st else None,
+                                   missing_eos_penalty=c.missing_eos_penalty if self.sampling.stop_ids else None,
+                                   empty_score=c.empty_response_penalty)
+        return exp.with_(scores=scores)
+
+    def check_first_update(self, exp: Experience) -> None:
+        """Before any update the policy is the reference (LoRA starts at 0): their log-probs must agree."""
+        tol = self.c.first_update_kl_tolerance
+        if tol is None:
+            tol = 1e-3 if self.compute_dtype is None else 2e-2
+        kl = core.masked_mean((exp.logprobs - exp.ref_logprobs).abs(), exp.response_mask,
+                              allreduce_sum=self.allreduce_sum).item()
+        if kl <= tol:
+            return
+        if not self.sampling.recompute_logprobs:
+            cause = ("the sampling pass and the full forward disagree at this precision; set "
+                     "ppo.recompute_logprobs=true (or auto)")
+        else:
+            cause = ("the reference is not the starting policy: check that ppo.policy_dir is a plain SFT model "
+                     "and that no adapter is stacked on it")
+        raise RlhfError(f"ppo: |log π - log π_ref| is {kl:.3g} per token before any update (tolerance {tol:g}, "
+                        f"ppo.first_update_kl_tolerance): {cause}")
+
+    # ---------------------------------------------------------------------------------- step 3 + 4
+    def compute_advantages(self, exp: Experience) -> Experience:
+        """Per-token rewards (KL penalty on every token, the score on the last), GAE, global whitening."""
+        c, mask = self.c, exp.response_mask
+        rewards, kl = core.token_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, self.kl_ctl.value,
+                                         estimator=c.kl_estimator)
+        if c.whiten_rewards:
+            rewards = core.masked_whiten(rewards, mask, keep_mean=True, allreduce_sum=self.allreduce_sum)
+        advantages, returns = core.gae(rewards, exp.values, mask, c.gamma, c.lam)
+        advantages = core.masked_whiten(advantages, mask, allreduce_sum=self.allreduce_sum)
+        return exp.with_(rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+
+    # ---------------------------------------------------------------------------------------- step 5
+    def micro_batch_loss(self, exp: Experience, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The PPO loss of one micro-batch (rows `idx`, leading prompt padding from `start` dropped) and its
+        stats in STAT_KEYS order."""
+        c = self.c
+        R = exp.response_length
+        ids, am = exp.input_ids[idx, start:], exp.attention_mask[idx, start:]
+        pos = exp.position_ids[idx, start:]
+        mask = exp.response_mask[idx]
+        with self.autocast():
+            logits = policy_logits(self.policy, ids, am, pos, R, self.sampling.vocab_size)
+            vpred = response_slice(self.value(ids, am, pos), R)
+        # the entropy keeps its graph only when it is a loss term (ppo.ent_coef)
+        new_logprobs, tok_entropy = core.logprobs_and_entropy(logits, exp.response_ids[idx], c.temperature,
+                                                              entropy_grad=bool(c.ent_coef))
+        pg_loss, pg = core.policy_loss(new_logprobs, exp.logprobs[idx], exp.advantages[idx], mask, c.cliprange)
+        vf_loss, vf = core.value_loss(vpred, exp.values[idx], exp.returns[idx], mask, c.cliprange_value)
+        ent = core.masked_mean(tok_entropy, mask)
+        loss = pg_loss + c.vf_coef * vf_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
+        stats = torch.stack([pg_loss.detach(), vf_loss.detach(), pg["approxkl"], pg["clipfrac"], vf["clipfrac"],
+                             ent.detach(), pg["ratio"]])
+        return loss, stats
+
+    def update(self, exp: Experience) -> dict[str, torch.Tensor]:
+        """PPO epochs over shuffled mini-batches; one optimizer step per mini-batch. Returns the mean of each
+        statistic over the optimizer steps (local to this process)."""
+        c, sz, acc = self.c, self.sizes, self.acc
+        steps = []
+        self.policy.train()
+        self.value.train()
+        self.unwrapped.eval()  # modules stay in eval mode (no dropout); train() above only flags DDP
+        acc.unwrap_model(self.value).eval()
+        for _epoch in range(c.num_ppo_epochs):
+            perm = torch.randperm(sz.local_batch_size, device=self.device)
+            # per micro-batch, the prompt padding shared by all its rows is skipped (one host sync per epoch)
+            starts = leading_padding(exp.attention_mask[perm], sz.micro_batch_size)
+            for mb in range(sz.num_mini_batches):
+                mb_idx = perm[mb * sz.local_mini_batch_size: (mb + 1) * sz.local_mini_batch_size]
+                mb_stats = []
+                for k in range(sz.gradient_accumulation_steps):
+                    idx = mb_idx[k * sz.micro_batch_size: (k + 1) * sz.micro_batch_size]
+                    sync = contextlib.ExitStack()
+                    if k < sz.gradient_accumulation_steps - 1 and self.world > 1:
+                        # gradients are all-reduced once per optimizer step, on the last micro-batch
+                        sync.enter_context(acc.no_sync(self.policy))
+                        sync.enter_context(acc.no_sync(self.value))
+                    with sync:
+                        loss, stats = self.micro_batch_loss(exp, idx, starts[mb * sz.gradient_accumulation_steps + k])
+                        acc.backward(loss / sz.gradient_accumulation_steps)
+                    mb_stats.append(stats)
+                s = torch.stack(mb_stats).mean(0)
+                grad_norm = acc.clip_grad_norm_(self.pol_params + self.val_params, c.max_grad_norm) \
+                    if c.max_grad_norm else None
+                finite = torch.isfinite(s[:2]).all() & (torch.isfinite(grad_norm) if grad_norm is not None else True)
+                if not bool(finite):  # stop before the step: the weights (and the last checkpoint) stay finite
+                    self._fail(f"the loss or gradient norm became non-finite (pg {s[0].item():.3g}, "
+                               f"vf {s[1].item():.3g})", f"lower ppo.learning_rate (now {c.learning_rate:g})")
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                steps.append(s)
+                if c.target_kl is not None and self.global_mean(s[2]).item() > c.target_kl:
+                    break
+            else:
+                continue
+            break  # target_kl reached: no more epochs
+        self.policy.eval()
+        self.value.eval()
+        return dict(zip(STAT_KEYS, torch.stack(steps).unbind(-1)))
+
+    # ---------------------------------------------------------------------------------------- step 6
+    def metrics(self, exp: Experience, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Global means over all processes, named as TRL and the N+ details name them."""
+        gm, mask = self.global_mean, exp.response_mask
+        non_score = (-self.kl_ctl.value * exp.kl).sum(-1)
+        vstats = core.value_loss(exp.values, exp.values, exp.returns, mask, self.c.cliprange_value)[1]
+        n_eos = exp.has_stop.float().sum()
+        m = {
+            "objective/scores": gm(exp.scores),
+            "objective/rm_scores": gm(exp.rm_scores),
+            "objective/kl": gm(exp.kl.sum(-1)),
+            "objective/entropy": gm(core.masked_sum(exp.entropy, mask, dim=-1)),
+            "objective/non_score_reward": gm(non_score),
+            "objective/rlhf_reward": gm(exp.scores + non_score),
+            "policy/approxkl_avg": gm(stats["approxkl"]),
+            "policy/clipfrac_avg": gm(stats["clipfrac"]),
+            "policy/entropy_avg": gm(stats["entropy"]),
+            "loss/policy_avg": gm(stats["pg_loss"]),
+            "loss/value_avg": gm(stats["vf_loss"]),
+            "val/clipfrac_avg": gm(stats["vf_clipfrac"]),
+            "val/explained_var": gm(vstats["explained_var"]),
+            "val/ratio": gm(stats["ratio"]),
+            "val/num_eos_tokens": self.acc.reduce(n_eos, "sum") if self.world > 1 else n_eos,
+            "response/length_mean": gm(mask.sum(-1)),
+            "response/empty_rate": gm(exp.empty.float()),
+        }
+        if self.ground_truth is not None:
+            m["objective/ground_truth_rate"] = gm(torch.tensor([float(self.ground_truth(t)) for t in exp.texts]))
+        return {k: float(v) for k, v in m.items()}
+
+    def log(self, exp: Experience, metrics: dict[str, float]) -> None:
+        """TensorBoard scalars every update, a sample table every `sample_every` updates (main process)."""
+        if self.writer is None:
+            return
+        update, episodes = self.progress.update, self.progress.episodes
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, episodes)
+        if self.c.sample_every and (update % self.c.sample_every == 0 or update == 1):
+            q = self.tok.batch_decode(exp.input_ids[:4, : exp.context_length], skip_special_tokens=True)
+            rows = [f"| {qq.strip()!r} | {rr.strip()!r} | {sc:+.2f} |"
+                    for qq, rr, sc in zip(q, exp.texts[:4], exp.scores[:4].tolist())]
+            self.writer.add_text("samples", "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows),
+                                 episodes)
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        """Checkpoint `checkpoints/checkpoint-<update>` (main process writes; every process takes part)."""
+        consumed = [self.stream.consumed]
+        rngs = [checkpoint.rng_state()]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            consumed = self.acc.gather(torch.tensor([self.stream.consumed], device=self.device)).tolist()
+            rngs = [None] * self.world
+            dist.all_gather_object(rngs, checkpoint.rng_state())
+        path = self.work / "checkpoints" / f"checkpoint-{self.progress.update}"
+        if self.acc.is_main_process:
+            state = {"update": self.progress.update, "episodes": self.progress.episodes,
+                     "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                     "prompts_consumed": consumed, "metrics": self.progress.metrics}
+            checkpoint.save(path, self.unwrapped, self.acc.unwrap_model(self.value).model, self.tok, state,
+                            self.optimizer.state_dict(), rngs)
+            self.hooks.on_save(path)
+        self.acc.wait_for_everyone()
+        return path
+
+    def resume(self, path: Path) -> None:
+        """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG."""
+        st = checkpoint.load(path, self.unwrapped, self.acc.unwrap_model(self.value).model, self.rank)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.kl_ctl.load_state_dict(st["kl_ctl"])
+        self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))
+        consumed = st["prompts_consumed"]
+        self.stream.consumed = consumed[self.rank] if self.rank < len(consumed) else consumed[0]
+        checkpoint.set_rng_state(*st["rng"])
+
+    # ------------------------------------------------------------------------------------------- loop
+    def train(self) -> dict[str, float]:
+        """Run the remaining updates; returns the last update's metrics."""
+        c, sz, clock = self.c, self.sizes, self.hooks.clock
+        first = self.progress.update == 0
+        self.hooks.on_train_start(self)
+        for update in range(self.progress.update + 1, sz.num_updates + 1):
+            self.hooks.on_update_start(update)
+            t0 = clock()
+            exp = self.make_experience()                           # step 1+2. sample and score
+            if first and update == 1:
+                self.check_first_update(exp)
+            t_gen = clock() - t0
+            exp = self.compute_advantages(exp)                     # step 3+4. rewards, advantages
+            stats = self.update(exp)                               # step 5. PPO epochs
+            self.progress.update, self.progress.episodes = update, self.progress.episodes + sz.batch_size
+            metrics = self.metrics(exp, stats)                     # step 6. log, checkpoint
+            elapsed = clock() - t0
+            metrics.update({"lr": self.scheduler.get_last_lr()[0], "kl_coef": float(self.kl_ctl.value),
+                            "eps": sz.batch_size / elapsed, "time/rollout_s": t_gen, "time/update_s": elapsed,
+                            "episodes": self.progress.episodes})
+            self.progress.metrics = metrics
+            self.kl_ctl.update(metrics["objective/kl"], sz.batch_size)
+            self.log(exp, metrics)
+            self.hooks.on_update(update, metrics)
+            if update == sz.num_updates or (c.save_every and update % c.save_every == 0):
+                self.check_finite_weights()  # a checkpoint never holds what a NaN step left behind
+                self.save()
+        return self.progress.metrics
+
+    def check_finite_weights(self) -> None:
+        """Nothing non-finite is published."""
+        for p in self.pol_params + self.val_params:
+            if not bool(torch.isfinite(p).all()):
+                self._fail("a trained weight became non-finite", f"lower ppo.learning_rate (now {self.c.learning_rate:g})")
+        if not all(math.isfinite(v) for v in self.progress.metrics.values()):
+            self._fail("a training metric became non-finite", f"lower ppo.learning_rate (now {self.c.learning_rate:g})")

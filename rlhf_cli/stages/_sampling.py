@@ -1,0 +1,51 @@
+"""What `rlhf ppo` and `rlhf eval` share: the prompts they render from the data, and how responses are sampled
+(stop tokens, temperature, vocabulary limit) — so eval measures the policy as PPO trained it."""
+
+from __future__ import annotations
+
+from rlhf_cli import data as D
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.ppo.experience import Sampling
+
+
+def prompts(cfg, tok, split: str, limit: int | None = None) -> tuple[list[str], list]:
+    """(rendered prompts, examples) of the train or eval split, over-long prompts dropped."""
+    train, evals = D.load_examples(cfg.data, need_rejected=False)
+    examples = train if split == "train" else evals
+    if split == "eval" and not examples:
+        raise RlhfError("no held-out prompts: set data.eval_path or data.eval_ratio > 0")
+    source = str(cfg.data.train_path) if split == "train" else "eval split"
+    thinking, templ = bool(cfg.model.enable_thinking), bool(cfg.data.chat_template)
+    examples = D.filter_long_prompts(examples, tok, int(cfg.data.max_prompt_length), source, thinking, templ)
+    examples = examples[:limit] if limit is not None else examples
+    return [D.prompt_text(tok, ex.prompt, thinking, templ) for ex in examples], examples
+
+
+def stop_ids(cfg, tok) -> tuple[int, ...]:
+    """`ppo.stop_token`: eos (plus `ppo.stop_token_ids`) ends a response; null: fixed-length responses."""
+    st = cfg.ppo.stop_token
+    if st == "eos":
+        return (int(tok.eos_token_id), *(int(i) for i in cfg.ppo.stop_token_ids))
+    if st is not None:
+        raise RlhfError(f"ppo.stop_token={st} is unknown; use eos, or null for fixed-length responses")
+    return ()
+
+
+def sampling(cfg, tok, vocab_size: int, recompute: bool, evaluation: bool = False) -> Sampling:
+    """PPO's sampling settings (`ppo.*`); with evaluation=True the length, temperature, top-k/p, greedy flag
+    and batch come from `eval.*` while the stop tokens stay PPO's."""
+    p = cfg.eval if evaluation else cfg.ppo
+    return Sampling(max_new_tokens=int(p.response_length), temperature=float(p.temperature),
+                    pad_id=int(tok.pad_token_id), eos_id=int(tok.eos_token_id), stop_ids=stop_ids(cfg, tok),
+                    top_k=int(p.top_k), top_p=float(p.top_p), greedy=bool(p.get("greedy", False)),
+                    forward_batch_size=int(p.batch_size if evaluation else p.rollout_forward_batch_size),
+                    vocab_size=vocab_size, recompute_logprobs=recompute)
+
+
+def recompute_logprobs(setting: str, compute_dtype) -> bool:
+    """`ppo.recompute_logprobs`: auto recomputes when compute is not fp32 (the incremental sampling forward and
+    the full training forward disagree there); in fp32 they agree to ~1e-6 and the sampling pass is reused."""
+    setting = str(setting).lower()
+    if setting == "auto":
+        return compute_dtype is not None
+    return setting == "true"

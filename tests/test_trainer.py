@@ -1,0 +1,282 @@
+"""The PPO library on a tiny model, without the CLI: `make_experience` (shapes, masks, stop tokens, where the
+score is read), one `update` (the loss falls, the first ratio is 1, nothing clipped), the checkpoint round trip
+(no pickle; a damaged file is an error naming it), bf16 compute with fp32 master weights, and eval sampling
+through PPO's own settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf_cli.config import compose, ppo_sizes
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.ppo import checkpoint, core
+from rlhf_cli.ppo.config import PPOConfig
+from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
+from rlhf_cli.ppo.rollout import TokenValueModel
+from rlhf_cli.ppo.trainer import PPOModels, PPOTrainer, PromptStream
+
+PROMPTS = [f"<|im_start|>user\nHow do I cook rice, question {i}?<|im_end|>\n<|im_start|>assistant\n" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from rlhf_cli.tiny import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("base") / "base", vocab_size=600, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def tok(base):
+    from rlhf_cli.models import load_tokenizer
+
+    return load_tokenizer(base)
+
+
+def ppo_cfg(**over):
+    args = ["recipe=tiny", "ppo.per_device_train_batch_size=4", "ppo.gradient_accumulation_steps=2",
+            "ppo.num_mini_batches=1", "ppo.rollout_forward_batch_size=8", "ppo.total_episodes=16",
+            "ppo.response_length=6", "ppo.num_ppo_epochs=1", "ppo.warmup_ratio=0", "ppo.lora.r=4", "ppo.lora.alpha=8",
+            "ppo.lora.target_modules=all-linear", *(f"ppo.{k}={v}" for k, v in over.items())]
+    return compose("ppo", args).ppo
+
+
+def build(base, tok, p, dtype=torch.float32, compute=None, work=None, seed=0, value_lora=False):
+    from accelerate import Accelerator
+    from peft import get_peft_model
+
+    from rlhf_cli.models import fp32_trainables, load_causal_lm, load_seq_cls, lora_config
+
+    torch.manual_seed(seed)
+    policy = get_peft_model(load_causal_lm(base, dtype), lora_config(p.lora, "CAUSAL_LM"))
+    value = load_seq_cls(base, tok, dtype if value_lora else torch.float32)
+    if value_lora:
+        value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
+    reward = load_seq_cls(base, tok, dtype).requires_grad_(False)
+    fp32_trainables(policy)
+    fp32_trainables(value)
+    models = PPOModels(policy=policy.eval(), ref=None, value=TokenValueModel(value).eval(),
+                       reward=TokenValueModel(reward).eval(), score_stats=None, value_source="base")
+    c = PPOConfig.from_cfg(p)
+    s = Sampling(max_new_tokens=c.response_length, temperature=c.temperature, pad_id=tok.pad_token_id,
+                 eos_id=tok.eos_token_id, stop_ids=(tok.eos_token_id,), forward_batch_size=8,
+                 vocab_size=len(tok), recompute_logprobs=compute is not None)
+    return PPOTrainer(c, ppo_sizes(p), models, tok, PromptStream(PROMPTS, 0, 0, 1), s, Accelerator(cpu=True),
+                      work, compute_dtype=compute)
+
+
+# ------------------------------------------------------------------------------------------- experience
+def test_make_experience_shapes_masks_stops_and_score_position(base, tok):
+    from rlhf_cli.models import load_causal_lm, load_seq_cls
+
+    torch.manual_seed(1)
+    policy = load_causal_lm(base, torch.float32).eval()
+    rm = load_seq_cls(base, tok, torch.float32).eval()
+    eos = tok.eos_token_id
+    # EOS made likely so that some responses stop early and others run to the length limit
+    with torch.no_grad():
+        policy.lm_head.weight[eos] += 0.4 * policy.lm_head.weight.std() * torch.randn_like(policy.lm_head.weight[eos])
+    s = Sampling(max_new_tokens=12, temperature=1.0, pad_id=tok.pad_token_id, eos_id=eos, stop_ids=(eos,),
+                 forward_batch_size=4)
+    exp = make_experience(PROMPTS, tok, policy, s, reward_model=TokenValueModel(rm))
+    B, R = exp.response_ids.shape
+    assert B == len(PROMPTS) and R <= 12 and exp.input_ids.shape == (B, exp.context_length + R)
+    for row, mask in zip(exp.response_ids.tolist(), exp.response_mask.tolist()):
+        n = int(sum(mask))
+        assert mask == [1.0] * n + [0.0] * (R - n)               # valid tokens first, then padding
+        assert eos not in row[: n - 1]                            # nothing valid after a stop token
+        assert all(t == tok.pad_token_id for t in row[n:])        # pad after it
+    assert exp.has_stop.tolist() == [eos in row for row in exp.response_ids.tolist()]
+    assert exp.logprobs.shape == exp.ref_logprobs.shape == exp.entropy.shape == (B, R)
+    torch.testing.assert_close(exp.logprobs * exp.response_mask, exp.ref_logprobs * exp.response_mask,
+                               atol=1e-5, rtol=0)                 # no adapter: the policy is the reference
+    # the score is read at the last valid response token: the classifier's own "last non-pad token" agrees
+    with torch.no_grad():
+        own = rm(input_ids=exp.input_ids, attention_mask=exp.attention_mask).logits[:, 0]
+    torch.testing.assert_close(exp.rm_scores, own, atol=1e-5, rtol=1e-5)
+    assert len(exp.texts) == B and exp.values is None
+
+
+def test_fixed_length_responses_without_a_stop_token(base, tok):
+    from rlhf_cli.models import load_causal_lm
+
+    policy = load_causal_lm(base, torch.float32).eval()
+    s = Sampling(max_new_tokens=5, temperature=0.7, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, stop_ids=())
+    exp = make_experience(PROMPTS[:3], tok, policy, s)
+    assert exp.response_ids.shape == (3, 5) and exp.response_mask.sum().item() == 15
+    assert not exp.has_stop.any() and exp.rm_scores is None
+
+
+def test_eval_samples_with_ppo_stop_tokens():
+    """eval and PPO share one Sampling: eval keeps ppo.stop_token / stop_token_ids, its own length and temperature."""
+    from rlhf_cli.stages import _sampling
+
+    tok = type("Tok", (), {"pad_token_id": 3, "eos_token_id": 2})()
+    cfg = compose("eval", ["recipe=tiny", "ppo.stop_token_ids=[7]", "eval.temperature=0.5"])
+    s = _sampling.sampling(cfg, tok, 100, recompute=False, evaluation=True)
+    assert s.stop_ids == (2, 7) and s.temperature == 0.5 and s.max_new_tokens == int(cfg.eval.response_length)
+    cfg = compose("eval", ["recipe=tiny", "ppo.stop_token=null"])
+    s = _sampling.sampling(cfg, tok, 100, recompute=False, evaluation=True)
+    assert s.stop_ids == () and s.generation_config().min_new_tokens == s.max_new_tokens
+
+
+def test_vocab_limit_never_samples_rows_past_the_tokenizer(base, tok):
+    from rlhf_cli.models import load_causal_lm
+
+    policy = load_causal_lm(base, torch.float32).eval()
+    limit = 100
+    with torch.no_grad():  # the rows past the limit would win every draw if they were not cut off
+        policy.lm_head.weight[limit:] *= 50
+    s = Sampling(max_new_tokens=6, temperature=1.0, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                 stop_ids=(tok.eos_token_id,), vocab_size=limit)
+    exp = make_experience(PROMPTS, tok, policy, s)
+    valid = exp.response_ids[exp.response_mask.bool()]
+    assert valid.max().item() < limit
+
+
+def test_check_vocab_refuses_a_tokenizer_larger_than_the_embedding(base, tok):
+    from rlhf_cli.models import check_vocab, load_causal_lm
+
+    model = load_causal_lm(base, torch.float32)
+    assert check_vocab(tok, model, base) == len(tok)
+    model.resize_token_embeddings(len(tok) - 10)
+    with pytest.raises(RlhfError, match=f"{len(tok)} tokens but the model's embedding has {len(tok) - 10} rows"):
+        check_vocab(tok, model, base)
+
+
+# ------------------------------------------------------------------------------------------- update
+def test_one_update_lowers_the_loss_with_ratio_one_and_nothing_clipped(base, tok, tmp_path):
+    t = build(base, tok, ppo_cfg(learning_rate=1e-2), work=tmp_path)
+    exp = t.compute_advantages(t.make_experience())
+    assert exp.advantages.shape == exp.returns.shape == exp.response_ids.shape
+    idx = torch.arange(exp.response_ids.shape[0])
+    with torch.no_grad():
+        before, _ = t.micro_batch_loss(exp, idx, 0)
+    stats = t.update(exp)  # 1 epoch, 1 mini-batch: a single optimizer step, its stats taken before it
+    assert stats["clipfrac"].item() == 0.0 and stats["vf_clipfrac"].item() == 0.0
+    assert abs(stats["ratio"].item() - 1.0) < 1e-6 and stats["approxkl"].item() < 1e-10
+    with torch.no_grad():
+        after, after_stats = t.micro_batch_loss(exp, idx, 0)
+    assert after.item() < before.item()
+    assert after_stats[6].item() != 1.0  # the policy moved: the ratio is no longer 1
+
+
+def test_target_kl_stops_the_epochs_early(base, tok, tmp_path):
+    t = build(base, tok, ppo_cfg(learning_rate=0.05, num_ppo_epochs=4, target_kl=1e-9), work=tmp_path)
+    exp = t.compute_advantages(t.make_experience())
+    stats = t.update(exp)
+    assert stats["pg_loss"].numel() < 4  # fewer optimizer steps than epochs
+
+
+def test_first_update_check_names_the_cause(base, tok, tmp_path):
+    t = build(base, tok, ppo_cfg(), work=tmp_path)
+    exp = t.make_experience()
+    t.check_first_update(exp)  # LoRA starts at 0: policy == reference
+    bad = exp.with_(logprobs=exp.logprobs + 0.1)
+    with pytest.raises(RlhfError, match="recompute_logprobs"):
+        t.check_first_update(bad)
+
+
+def _changed_fractions(t) -> tuple[float, float]:
+    """Share of the policy's and of the value model's trainable elements that one `update` changes."""
+    exp = t.make_experience()
+    t.check_first_update(exp)  # with recomputed log-probs the ratio starts at 1 in bf16 too
+    exp = t.compute_advantages(exp)
+    before = {id(q): q.detach().clone() for q in t.pol_params + t.val_params}
+    t.update(exp)
+    return tuple(sum((q.detach() != before[id(q)]).sum().item() for q in ps) / sum(q.numel() for q in ps)
+                 for ps in (t.pol_params, t.val_params))
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_trainables_move_as_in_fp32(base, tok, tmp_path):
+    """bf16 storage of frozen weights (policy base, value trunk, reward model) and bf16 compute, lr 1e-5, two
+    optimizer steps (LoRA's A gets no gradient while B is 0): the trainable elements change as in fp32 (bf16
+    weights would round most of these updates away)."""
+    p = ppo_cfg(learning_rate=1e-5, num_ppo_epochs=2)
+    t = build(base, tok, p, dtype=torch.bfloat16, compute=torch.bfloat16, work=tmp_path, value_lora=True)
+    assert all(q.dtype == torch.float32 for q in t.pol_params + t.val_params)
+    assert t.reward.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    pol16, val16 = _changed_fractions(t)
+    pol32, val32 = _changed_fractions(build(base, tok, p, work=tmp_path, value_lora=True))
+    assert pol16 >= 0.9 and pol16 >= 0.95 * pol32, (pol16, pol32)
+    # the value LoRA's A moves by lr·g/eps at first (tiny gradients under Adam's eps): the same share in fp32
+    assert val16 >= 0.95 * val32 and val16 > 0.5, (val16, val32)
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+def test_checkpoint_round_trip_restores_weights_optimizer_counters_and_rng(base, tok, tmp_path):
+    a = build(base, tok, ppo_cfg(learning_rate=1e-2), work=tmp_path / "a")
+    a.update(a.compute_advantages(a.make_experience()))
+    a.progress.update, a.progress.episodes, a.progress.metrics = 1, 8, {"objective/kl": 0.5}
+    path = a.save()
+    assert (path / checkpoint.STATE_JSON).exists() and (path / checkpoint.STATE_TENSORS).exists()
+    assert not list(path.rglob("*.pt")) and not list(path.rglob("*.bin"))  # nothing pickled
+    expected_rng = torch.get_rng_state()
+
+    b = build(base, tok, ppo_cfg(learning_rate=1e-2), work=tmp_path / "b", seed=5)
+    b.resume(path)
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    assert (b.progress.update, b.progress.episodes, b.stream.consumed) == (1, 8, a.stream.consumed)
+    for qa, qb in zip(a.pol_params + a.val_params, b.pol_params + b.val_params):
+        assert torch.equal(qa, qb)
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k in sa["state"]:
+        for name, v in sa["state"][k].items():
+            assert torch.equal(v, sb["state"][k][name])
+    assert b.scheduler.state_dict() == a.scheduler.state_dict()
+    # the two continue identically (same prompts, weights and random draws)
+    ea = a.make_experience()
+    torch.set_rng_state(expected_rng)
+    eb = b.make_experience()
+    assert torch.equal(ea.response_ids, eb.response_ids)
+
+
+def test_a_pickle_in_a_checkpoint_is_never_loaded(base, tok, tmp_path):
+    """A crafted state file that would run a command when unpickled: resume reads JSON and safetensors only."""
+    import pickle
+
+    a = build(base, tok, ppo_cfg(), work=tmp_path / "a")
+    path = a.save()
+    flag = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {flag}",))
+
+    (path / "trainer_state.pt").write_bytes(pickle.dumps(Evil()))
+    b = build(base, tok, ppo_cfg(), work=tmp_path / "b")
+    b.resume(path)
+    assert not flag.exists()
+    (path / checkpoint.STATE_TENSORS).write_bytes(b"\x00" * 7)  # truncated
+    with pytest.raises(RlhfError, match=str(path / checkpoint.STATE_TENSORS)):
+        b.resume(path)
+    (path / checkpoint.STATE_JSON).write_text("not json")
+    with pytest.raises(RlhfError, match=checkpoint.STATE_JSON):
+        b.resume(path)
+
+
+def test_shape_scores_by_hand():
+    rm = torch.tensor([2.0, 4.0, 6.0])
+    has_stop = torch.tensor([True, False, True])
+    empty = torch.tensor([False, False, True])
+    out = core.shape_scores(rm, has_stop, empty, mean=4.0, std=2.0, missing_eos_penalty=1.0, empty_score=-5.0)
+    assert out.tolist() == [-1.0, -1.0, -5.0]  # (2-4)/2; (4-4)/2 - 1; empty
+    assert core.shape_scores(rm, has_stop, empty).tolist() == [2.0, 4.0, 6.0]
+
+
+def test_experience_is_json_free_of_nothing():
+    """Experience.cat keeps None fields None and joins texts."""
+    z = torch.zeros(1, 2)
+    e = Experience(input_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3),
+                   position_ids=torch.zeros(1, 3), response_ids=torch.zeros(1, 2, dtype=torch.long),
+                   response_mask=torch.ones(1, 2), logprobs=z, ref_logprobs=z, entropy=z,
+                   has_stop=torch.tensor([True]), empty=torch.tensor([False]), texts=["a"])
+    both = Experience.cat([e, e])
+    assert both.values is None and both.texts == ["a", "a"] and json.dumps(both.texts)
