@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from rlhf_cli import schema
 from rlhf_cli.config import COMMANDS, CONF_DIR, recipe_names, register_resolvers, translate_overrides
 from rlhf_cli.errors import RlhfError
 
@@ -82,10 +83,11 @@ def run_stage(cfg) -> None:
     """Run `rlhf_cli.stages.<command>.run(cfg)`, turning errors into one line and a non-zero exit."""
     command = cfg.command
     try:
+        schema.validate(cfg)  # every key's type and range, once, before launching or building anything
         rc = _launch(cfg)
         if rc is not None:
             if rc:
-                fail(command, f"the launched processes failed (exit {rc}); see their messages above", rc)
+                fail(command, _launch_failure(rc), rc)
             return
         module = importlib.import_module(f"rlhf_cli.stages.{command}")
         module.run(cfg)
@@ -100,6 +102,16 @@ def run_stage(cfg) -> None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         fail(command, f"{type(e).__name__}: {first} (run again with debug=true for the traceback)", 1)
+
+
+def _launch_failure(rc: int) -> str:
+    """The one-line report of a launch that ended with exit code `rc` (128 + N: ended by signal N)."""
+    import signal
+
+    if rc > 128 and rc - 128 in signal.valid_signals():
+        name = signal.Signals(rc - 128).name
+        return f"the launched processes were stopped by {name} (exit {rc}); see their messages above"
+    return f"the launched processes failed (exit {rc}); see their messages above"
 
 
 def _launch(cfg) -> int | None:

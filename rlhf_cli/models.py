@@ -19,6 +19,9 @@ log = logging.getLogger("rlhf")
 def setup_torch(cfg) -> None:
     """Thread count and seeds, first thing in every stage (two threads per process on a busy 2-core box can
     run 20x slower than one, so the count is explicit)."""
+    if str(cfg.device.accelerator) == "cuda" and not torch.cuda.is_available():
+        raise RlhfError(f"device={cfg.device.get('name', 'cuda')} needs a CUDA GPU, but torch sees none "
+                        f"(torch {torch.__version__}); use device=cpu, or install a CUDA build of torch")
     threads = int(cfg.device.get("threads") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -96,7 +99,8 @@ def base_model_dir(cfg) -> Path:
                                     hidden_size=int(t.hidden_size), intermediate_size=int(t.intermediate_size),
                                     num_hidden_layers=int(t.num_hidden_layers),
                                     num_attention_heads=int(t.num_attention_heads),
-                                    num_key_value_heads=int(t.num_key_value_heads), head_dim=int(t.head_dim))
+                                    num_key_value_heads=int(t.num_key_value_heads), head_dim=int(t.head_dim),
+                                    embedding_rows=int(t.embedding_rows) if t.get("embedding_rows") else None)
     return resolve_model_source(str(m.name_or_path), hub=m.hub, revision=m.revision, cache_dir=m.cache_dir,
                                 offline=bool(m.offline))
 

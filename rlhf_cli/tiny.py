@@ -169,8 +169,13 @@ def build_tiny_base(
     num_key_value_heads: int = 2,
     head_dim: int = 32,
     max_position_embeddings: int = 512,
+    embedding_rows: int | None = None,
 ) -> Path:
     """Build (or reuse) the tiny base model + tokenizer in ``out_dir`` and return its path.
+
+    ``embedding_rows``: the model's vocabulary rows (None: the tokenizer's size). More rows than tokens give the
+    shape of real checkpoints (Qwen3: 151,936 rows for 151,669 tokens), e.g. the Qwen3-0.6B architecture with
+    random weights for checks that need no download.
 
     A ``tiny_base.json`` marker records the build arguments and the training data's hash. If ``out_dir``
     already holds a build with the same marker it is returned untouched; otherwise it is rebuilt in a
@@ -198,6 +203,8 @@ def build_tiny_base(
         "max_position_embeddings": max_position_embeddings,
         "train_data_sha256": _file_sha256(TRAIN_FILE),
     }
+    if embedding_rows is not None:  # only when set: earlier builds keep their marker (and their cache)
+        marker["embedding_rows"] = int(embedding_rows)
     if _read_marker(out_dir) == marker:
         return out_dir
     if out_dir.exists() and not out_dir.is_dir():
@@ -226,8 +233,11 @@ def _build_into(tmp_dir: Path, marker: dict, train_file: Path) -> None:
     with _quiet():
         tok = train_tokenizer(_demo_texts(train_file), vocab_size=marker["vocab_size"])
         ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+        rows = marker.get("embedding_rows") or len(tok)
+        if rows < len(tok):
+            raise RlhfError(f"model.tiny.embedding_rows={rows} is smaller than the tokenizer ({len(tok)} tokens)")
         config = Qwen3Config(
-            vocab_size=len(tok),
+            vocab_size=rows,
             hidden_size=marker["hidden_size"],
             intermediate_size=marker["intermediate_size"],
             num_hidden_layers=marker["num_hidden_layers"],

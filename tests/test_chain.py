@@ -158,20 +158,32 @@ def torch_equal(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
-def test_resume_restores_counters(chain):
-    """An interrupted run (checkpoints 1-2 written, then a crash) resumes at update 2 and ends where an
-    uninterrupted run ends."""
+def test_resume_ends_where_an_uninterrupted_run_ends(chain):
+    """An interrupted run (checkpoints 1-2 written, then a crash) resumes at update 2 and ends with the same
+    adapter, value model and metrics as the uninterrupted run."""
     out, partial = chain / "runs/tiny/ppo", chain / "runs/tiny/.ppo.partial"
     shutil.copytree(out, partial)
     shutil.rmtree(partial / "checkpoints" / "checkpoint-3")
     for f in ("adapter_model.safetensors", "metrics.json"):
         (partial / f).unlink()
     before = json.loads((out / "metrics.json").read_text())
+    adapter = (out / "adapter_model.safetensors").read_bytes()
+    value = (out / "value" / "model.safetensors").read_bytes()
     proc = ok(rlhf(chain, "ppo", *QUICK, "ppo.resume=true", "ppo.output_dir=runs/tiny/ppo"))
     assert "resumed from" in proc.stderr + proc.stdout and "update 2" in proc.stderr + proc.stdout
     after = json.loads((out / "metrics.json").read_text())
-    assert after["total_episodes"] == before["total_episodes"] == 96
+    timing = ("eps", "time/rollout_s", "time/update_s", "train_seconds")
+    assert {k: v for k, v in after.items() if k not in timing} == {k: v for k, v in before.items() if k not in timing}
+    assert (out / "adapter_model.safetensors").read_bytes() == adapter
+    assert (out / "value" / "model.safetensors").read_bytes() == value
     assert len(scalars(out / "tensorboard", "objective/kl")) >= 3
+
+
+def test_resume_of_a_finished_run_changes_nothing(chain):
+    out = chain / "runs/tiny/ppo"
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    fails(rlhf(chain, "ppo", *QUICK, "ppo.resume=true"), "finished run", "drop ppo.resume=true")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("args, needles", [

@@ -4,10 +4,18 @@ parse, and the launch line that `dry_run=true` prints is the one that would run.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
 
+import psutil
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from rlhf_cli import launch
 from rlhf_cli.config import CONF_DIR, compose
@@ -96,7 +104,7 @@ def test_deepspeed_dict(stage, offload):
     # batch sizes, accumulation, clipping and precision are left to the trainer, so they cannot disagree
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         assert ds[key] == "auto"
-    assert launch.trainer_strategy_kwargs(d) == {"deepspeed": launch.deepspeed_config(d)}
+    assert launch.trainer_strategy_kwargs(d) == {"deepspeed": launch.deepspeed_config(d), "ddp_timeout": 1800}
     assert launch.is_sharded(d) == (stage == 3)
 
 
@@ -107,11 +115,12 @@ def test_fsdp_settings_are_trainingarguments():
     kw = launch.trainer_strategy_kwargs(d)
     assert kw["fsdp"] is True and kw["fsdp_config"]["cpu_offload"] is True
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **kw)
+    assert args.ddp_timeout == 1800  # device.collective_timeout_s
     assert args.fsdp_plugin_args["fsdp_version"] == 2
     assert args.fsdp_plugin_args["auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert args.fsdp_plugin_args["state_dict_type"] == "FULL_STATE_DICT"
     assert launch.is_sharded(d)
-    assert launch.trainer_strategy_kwargs(compose("sft", ["device=ddp"]).device) == {}
+    assert launch.trainer_strategy_kwargs(compose("sft", ["device=ddp"]).device) == {"ddp_timeout": 1800}
 
 
 # -------------------------------------------------------------------------------------- dry runs (real CLI)
@@ -126,6 +135,7 @@ def test_ppo_ddp_dry_run_prints_the_launch_line(run_cli):
     assert argv[argv.index("--num_processes") + 1] == "2"  # ddp.yaml's default
     assert argv[argv.index("--num_machines") + 1] == "1"
     assert argv[argv.index("--dynamo_backend") + 1] == "no"
+    assert argv[argv.index("--mixed_precision") + 1] == "no"  # the stage autocasts itself
     tail = argv[argv.index("-m") :]
     # the started processes run this command with the same overrides (and without dry_run)
     assert tail == ["-m", "rlhf_cli.cli", "ppo", "device=ddp", "ppo.kl_coef=0.1"]
@@ -181,9 +191,12 @@ def test_launched_processes_do_not_launch_again(monkeypatch, tmp_path, capsys):
     cfg = compose("sft", ["device=cpu-ddp", "dry_run=true"])
     assert launch.handle(cfg, ["device=cpu-ddp"], tmp_path) == 0  # the launching process: prints the line
     assert "--multi_gpu" in capsys.readouterr().out
+    armed = []
+    monkeypatch.setattr(launch, "die_with_launcher", lambda: armed.append(1))  # not on the test process
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert launch.handle(cfg, ["device=cpu-ddp"], tmp_path) is None  # a started process: runs the stage
+    assert armed  # ... and ends when its launcher does
     with pytest.raises(RlhfError, match="ppo runs under ddp"):
         launch.handle(compose("ppo", ["device=zero2"]), [], tmp_path)  # still checked in each process
 
@@ -206,3 +219,156 @@ def test_yaml_of_every_device_file_is_small_and_inherits():
         if name != "cpu":
             assert data["defaults"][0] in DEVICES  # starts from another device file
             assert len(data) <= 8
+
+
+# ------------------------------------------------------------------------------------ precision, timeouts
+@pytest.mark.parametrize("precision", ["auto", "no", "bf16", "fp16"])
+def test_accelerate_never_adds_its_own_autocast(precision, tmp_path):
+    """device.mixed_precision is the stage's business (models.resolve_compute_dtype): the launcher always
+    tells accelerate `no`, on the command line and in the generated config file."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    argv = launch.launch_argv(compose("sft", ["device=ddp", f"device.mixed_precision={precision}"]), [])
+    assert argv[argv.index("--mixed_precision") + 1] == "no"
+    for device in ("zero2", "fsdp"):
+        cfg = compose("sft", [f"device={device}", f"device.mixed_precision={precision}"])
+        assert launch.accelerate_config(cfg.device)["mixed_precision"] == "no"
+        loaded = load_config_from_file(str(launch.write_accelerate_config(cfg, tmp_path / device)))
+        assert loaded.mixed_precision == "no"
+
+
+def test_collective_timeout_reaches_trainers_and_the_accelerator():
+    import inspect
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    d = compose("ppo", ["device=cpu-ddp"]).device
+    assert launch.collective_timeout_s(d) == 1800  # cpu.yaml's default, inherited by every device file
+    d = compose("ppo", ["device=cpu-ddp", "device.collective_timeout_s=90"]).device
+    assert launch.trainer_strategy_kwargs(d)["ddp_timeout"] == 90
+    kw = launch.accelerator_kwargs(d)
+    assert set(kw) <= set(inspect.signature(Accelerator).parameters)
+    assert kw["cpu"] is True and kw["mixed_precision"] == "no"
+    (handler,) = kw["kwargs_handlers"]
+    assert isinstance(handler, InitProcessGroupKwargs)
+    assert handler.to_kwargs() == {"timeout": timedelta(seconds=90)}
+    assert launch.accelerator_kwargs(compose("ppo", ["device=ddp"]).device)["cpu"] is False
+    # a device config without the key (written for an older rlhf) gets the default
+    assert launch.collective_timeout_s(OmegaConf.create({"accelerator": "cpu"})) == 1800
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc"])
+def test_bad_collective_timeout_is_one_line(value, run_cli):
+    with pytest.raises(RlhfError, match="device.collective_timeout_s"):
+        launch.collective_timeout_s(OmegaConf.create({"collective_timeout_s": value}))
+    rc, out, err = run_cli("sft", "device=cpu-ddp", f"device.collective_timeout_s={value}", "dry_run=true")
+    assert rc == 2 and "device.collective_timeout_s" in err and err.count("\n") == 1, (out, err)
+
+
+# ------------------------------------------------------------------------------------- process lifetime
+# Stand-ins for `accelerate launch` and its workers (plain Python, no torch): the launcher starts a worker in
+# a session of its own, as torch's agent does, and optionally a helper in its own process group.
+_LAUNCHER = """
+import os, subprocess, sys, time
+ready, with_helper = sys.argv[1], sys.argv[2] == "helper"
+worker = "import os, sys, time; from rlhf_cli import launch; launch.die_with_launcher(); " \\
+         "open(sys.argv[1] + '.tmp', 'w').write('armed'); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); " \\
+         "time.sleep(900)"
+subprocess.Popen([sys.executable, "-c", worker, ready + "/worker"], start_new_session=True,
+                 env=dict(os.environ, LOCAL_RANK="0", WORLD_SIZE="1"))
+if with_helper:
+    helper = "import sys, time; open(sys.argv[1], 'w').close(); time.sleep(900)"
+    subprocess.Popen([sys.executable, "-c", helper, ready + "/helper"])
+time.sleep(900)
+"""
+_RLHF = ("import os, sys; from rlhf_cli import launch; "
+         "sys.exit(launch.run_launcher(sys.argv[1:], dict(os.environ)))")
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_until(predicate, what: str, limit_s: float = 600.0, proc: subprocess.Popen | None = None):
+    """Poll `predicate` (a safety-net limit, not a speed requirement); fail early if `proc` has ended."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the process ended (exit {proc.returncode}) before {what}")
+        time.sleep(0.1)
+    pytest.fail(f"no {what} after {limit_s} s")
+
+
+@pytest.fixture
+def spawned():
+    """Start `python -c code args` in its own session; on the way out kill it and everything it started."""
+    started: list[subprocess.Popen] = []
+    seen: list[psutil.Process] = []
+
+    def start(code: str, *args: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for k in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+            env.pop(k, None)
+        p = subprocess.Popen([sys.executable, "-c", code, *args], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        started.append(p)
+        return p, seen
+
+    yield start
+    for p in started:
+        try:
+            seen.extend(psutil.Process(p.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    for q in seen:
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _start_tree(spawned, tmp_path, helper: bool):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    outer, seen = spawned(_RLHF, sys.executable, "-c", _LAUNCHER, str(ready), "helper" if helper else "-")
+    want = ["worker", "helper"] if helper else ["worker"]
+    _wait_until(lambda: all((ready / n).exists() for n in want), "armed worker", proc=outer)
+    tree = psutil.Process(outer.pid).children(recursive=True)
+    seen.extend(tree)
+    assert len(tree) == len(want) + 1  # launcher + worker (+ helper)
+    return outer, tree
+
+
+def test_signals_to_rlhf_reach_the_launch_group_and_its_workers(spawned, tmp_path):
+    outer, tree = _start_tree(spawned, tmp_path, helper=True)
+    outer.send_signal(signal.SIGTERM)
+    _, err = outer.communicate(timeout=600)
+    assert outer.returncode == 128 + signal.SIGTERM, err
+    assert "stopped the launched processes on SIGTERM" in err
+    _wait_until(lambda: all(_gone(p) for p in tree), "end of every launched process")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux only")
+def test_killing_rlhf_outright_ends_the_launcher_and_its_workers(spawned, tmp_path):
+    outer, tree = _start_tree(spawned, tmp_path, helper=False)
+    outer.kill()  # SIGKILL: no handler runs; the kernel's parent-death signals take over
+    outer.wait()
+    _wait_until(lambda: all(_gone(p) for p in tree), "end of every launched process")
+
+
+def test_exit_codes_and_the_failure_line():
+    from rlhf_cli.cli import _launch_failure
+
+    assert launch.exit_code(-15) == 143 and launch.exit_code(3) == 3 and launch.exit_code(0) == 0
+    assert "stopped by SIGTERM (exit 143)" in _launch_failure(143)
+    assert "failed (exit 1)" in _launch_failure(1)

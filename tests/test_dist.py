@@ -1,17 +1,24 @@
 """Multi-process runs on the CPU (gloo): global whitening with a real all-reduce, the 2-process chain through
 the relaunch path (`device=cpu-ddp device.num_processes=2`), and the rank logic of atomic stage directories.
 
-One torch thread per process throughout (2-core box)."""
+One torch thread per process throughout (2-core box). Every multi-process run is tagged (an environment
+variable its processes inherit) and whatever carries the tag is killed when the test ends, passed or failed;
+time limits are generous safety nets, never a speed requirement."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -22,12 +29,70 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARA
            HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 for _k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
     ENV.pop(_k, None)
+TAG = "RLHF_TEST_RUN_TAG"
+SAFETY_S = 1500  # per CLI run: only catches a hang, a busy machine stays well inside it
+# pytest's own limit (addopts --timeout) for tests that run the CLI on 2 processes, several times
+LONG_TEST = pytest.mark.timeout(6 * SAFETY_S)
 
 
-def rlhf(cwd: Path, *args: str, timeout: float = 240) -> tuple[int, str, str]:
+def _tagged(tag: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TAG) == tag:
+                found.append(p)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
+@contextlib.contextmanager
+def rlhf_process(cwd: Path, *args: str, **popen):
+    """`rlhf *args` in `cwd`, in a session of its own. On the way out, passed or failed, everything the run
+    started is killed: its process group, its process tree, and every process that carries the run's tag
+    (torch's agent starts each worker in a session of its own, so the group alone does not reach them)."""
     exe = [str(RLHF)] if RLHF.exists() else [sys.executable, "-m", "rlhf_cli.cli"]
-    p = subprocess.run([*exe, *args], cwd=str(cwd), env=ENV, capture_output=True, text=True, timeout=timeout)
-    return p.returncode, p.stdout, p.stderr
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([*exe, *args], cwd=str(cwd), env={**ENV, TAG: tag}, start_new_session=True,
+                            **popen)
+    proc.tag = tag
+    try:
+        yield proc
+    finally:
+        tree = []
+        if proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                tree = psutil.Process(proc.pid).children(recursive=True)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        _kill_all([*tree, *_tagged(tag)])
+        proc.kill()
+        proc.wait()
+
+
+def rlhf(cwd: Path, *args: str, timeout: float = SAFETY_S) -> tuple[int, str, str]:
+    with rlhf_process(cwd, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`rlhf {' '.join(args)}` still running after {timeout} s (a safety net for a hang)")
+    return p.returncode, out, err
+
+
+@pytest.fixture
+def reap_children():
+    """Kill what the test process started and left behind (torch.multiprocessing workers of a failed test)."""
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    yield
+    _kill_all([c for c in me.children(recursive=True) if c.pid not in before])
 
 
 def read(path: Path) -> dict:
@@ -67,7 +132,7 @@ def _whiten_worker(rank: int, world: int, port: int, x, mask, out_dir: str) -> N
 
 
 @pytest.mark.dist
-def test_global_whitening_matches_whole_batch(tmp_path):
+def test_global_whitening_matches_whole_batch(tmp_path, reap_children):
     import torch.multiprocessing as mp
 
     from rlhf_cli.ppo import core
@@ -148,6 +213,7 @@ def chain(tmp_path_factory):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@LONG_TEST
 def test_two_process_sft_and_reward_outputs(chain):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -167,6 +233,7 @@ def test_two_process_sft_and_reward_outputs(chain):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@LONG_TEST
 def test_two_process_eval_loss_matches_one_process(chain):
     """Before training the model is the same, so the evaluation (sharded over 2 ranks, gathered) must agree
     with a 1-process run on the same base."""
@@ -182,6 +249,7 @@ def test_two_process_eval_loss_matches_one_process(chain):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@LONG_TEST
 def test_two_process_ppo_counts_outputs_and_resume(chain):
     from peft import AutoPeftModelForCausalLM
 
@@ -209,6 +277,7 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@LONG_TEST
 def test_two_process_fsdp_sft_saves_full_weights(chain):
     """FSDP2 through accelerate and trl (gloo on the CPU): the sharded weights are gathered into one plain
     model directory that loads like the DDP one."""
@@ -223,3 +292,49 @@ def test_two_process_fsdp_sft_saves_full_weights(chain):
     assert read(out / "metrics.json")["steps"] == 4
     full, ddp = load_file(str(out / "model.safetensors")), load_file(str(run / "sft" / "model.safetensors"))
     assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in ddp.items()}
+
+
+# ------------------------------------------------------------------------ no process outlives a killed run
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _workers(parent: psutil.Process) -> list[psutil.Process]:
+    """The processes a launch started to run the stage: they carry the launcher's LOCAL_RANK."""
+    found = []
+    for c in parent.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "LOCAL_RANK" in c.environ() and "rlhf_cli.cli" in c.cmdline():
+                found.append(c)
+    return found
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(2 * SAFETY_S)
+def test_killing_rlhf_ends_every_process_of_the_run(tmp_path):
+    """SIGKILL of the `rlhf` process (what a subprocess timeout does) leaves neither `accelerate launch` nor
+    its workers behind, one of them waiting in a collective for a peer that is gone."""
+    base = tmp_path / "base"
+    log = tmp_path / "rlhf.log"
+    args = ["sft", *DDP, f"model.tiny.dir={base}", "sft.max_steps=100000", "sft.eval_steps=100000",
+            "sft.logging_steps=100000"]
+    with log.open("w") as out, rlhf_process(tmp_path, *args, stdout=out, stderr=subprocess.STDOUT) as p:
+        parent = psutil.Process(p.pid)
+        deadline = time.monotonic() + SAFETY_S
+        # both workers exist and are inside the stage (the tiny base model is built there)
+        while len(_workers(parent)) < 2 or not (base / "config.json").exists():
+            assert p.poll() is None, f"the run ended early (exit {p.returncode}): {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no 2 running workers after {SAFETY_S} s"
+            time.sleep(0.2)
+        tree = parent.children(recursive=True)  # accelerate launch and its workers
+        assert len(_workers(parent)) == 2 and len(tree) >= 3, [c.cmdline() for c in tree]
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_gone(c) for c in tree):
+            time.sleep(0.1)
+        left = [c for c in tree if not _gone(c)] + [c for c in _tagged(p.tag) if not _gone(c)]
+        assert not left, [(c.pid, " ".join(c.cmdline())[:200]) for c in left if not _gone(c)]

@@ -280,3 +280,35 @@ def test_experience_is_json_free_of_nothing():
                    has_stop=torch.tensor([True]), empty=torch.tensor([False]), texts=["a"])
     both = Experience.cat([e, e])
     assert both.values is None and both.texts == ["a", "a"] and json.dumps(both.texts)
+
+
+# ------------------------------------------------------------------------------------------- real shape
+@pytest.fixture(scope="module")
+def real_width_base(tmp_path_factory):
+    """Qwen3-0.6B's width, heads and vocabulary rows (151,936, more than the 2k-token tokenizer) in one layer."""
+    from rlhf_cli.tiny import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("real") / "base", hidden_size=1024, intermediate_size=3072,
+                           num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                           embedding_rows=151936)
+
+
+def test_real_width_and_vocabulary_in_bf16(real_width_base):
+    """The large-vocabulary and bf16 paths: ids past the tokenizer are never sampled, the first-update check
+    passes with recomputed log-probs, trainables stay fp32 and move."""
+    from rlhf_cli.models import check_vocab, load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(real_width_base)
+    assert check_vocab(tok, load_causal_lm(real_width_base, torch.bfloat16), real_width_base) == len(tok) < 151936
+    t = build(real_width_base, tok, ppo_cfg(learning_rate=1e-4, per_device_train_batch_size=2,
+                                            rollout_forward_batch_size=4, response_length=4),
+              dtype=torch.bfloat16, compute=torch.bfloat16, work=None, value_lora=True)
+    assert t.unwrapped.get_input_embeddings().weight.shape[0] == 151936
+    exp = t.make_experience()
+    valid = exp.response_ids[exp.response_mask.bool()]
+    assert valid.max().item() < len(tok) and not exp.empty.all()
+    t.check_first_update(exp)
+    before = [q.detach().clone() for q in t.pol_params]
+    t.update(t.compute_advantages(exp))
+    assert all(q.dtype == torch.float32 for q in t.pol_params + t.val_params)
+    assert any(not torch.equal(q, b) for q, b in zip(t.pol_params, before))
