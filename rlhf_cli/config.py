@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ REPO_DIR = PACKAGE_DIR.parent
 CONF_DIR = REPO_DIR / "conf"
 RECIPES_DIR = REPO_DIR / "recipes"
 COMMANDS = ("sft", "reward", "ppo", "eval", "chat", "export", "doctor")
+
+log = logging.getLogger("rlhf")
 
 
 def register_resolvers() -> None:
@@ -56,7 +59,11 @@ def _free_text(override: str, command: str) -> str:
 
 
 def translate_overrides(command: str, overrides: list[str]) -> list[str]:
-    """User overrides -> Hydra overrides: `recipe=NAME` selects recipes/NAME.yaml; free text is quoted."""
+    """User overrides -> Hydra overrides: `recipe=NAME` selects recipes/NAME.yaml; free text is quoted. Keys
+    that the config groups do not have are refused here, before Hydra (see rlhf_cli.schema)."""
+    from rlhf_cli import schema
+
+    schema.check_override_keys(overrides, command)
     out = [searchpath_override(), f"command={command}"]
     for o in overrides:
         o = _free_text(o, command)
@@ -70,14 +77,20 @@ def translate_overrides(command: str, overrides: list[str]) -> list[str]:
     return out
 
 
-def compose(command: str, overrides: list[str] | None = None) -> DictConfig:
-    """Compose the config as the CLI would, without Hydra's run directory or logging (tests, notebooks)."""
+def compose(command: str, overrides: list[str] | None = None, validate: bool = True) -> DictConfig:
+    """Compose the config as the CLI would, without Hydra's run directory or logging (tests, notebooks), and
+    check it against the schema as the CLI does (`validate=False`: a test of a later check)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from rlhf_cli import schema
+
     register_resolvers()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return hydra_compose(config_name="config", overrides=translate_overrides(command, overrides or []))
+        cfg = hydra_compose(config_name="config", overrides=translate_overrides(command, overrides or []))
+    if validate:
+        schema.validate(cfg)
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -104,7 +117,8 @@ class PPOSizes:
 
 
 def ppo_sizes(p: DictConfig, world_size: int = 1) -> PPOSizes:
-    """Derive and validate the PPO batch sizes; every failure names the keys to change."""
+    """Derive and validate the PPO batch sizes; every failure names the keys to change. Episodes beyond the
+    last whole batch are not trained (a warning says how many are), so that every update has the same size."""
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                 "rollout_forward_batch_size", "num_ppo_epochs", "total_episodes"):
         if int(p[key]) < 1:
@@ -127,6 +141,11 @@ def ppo_sizes(p: DictConfig, world_size: int = 1) -> PPOSizes:
     if num_updates < 1:
         raise RlhfError(f"ppo.total_episodes={p.total_episodes} is smaller than one update of {batch} episodes "
                         f"({world_size} process(es) × {local_batch}); raise ppo.total_episodes to at least {batch}")
+    if int(p.total_episodes) % batch:
+        trained = num_updates * batch
+        log.warning("ppo.total_episodes=%s is not a multiple of the %d-episode batch; training %d episodes "
+                    "(%d update%s); a multiple of %d uses them all", p.total_episodes, batch, trained,
+                    num_updates, "" if num_updates == 1 else "s", batch)
     return PPOSizes(world_size=world_size, micro_batch_size=micro, gradient_accumulation_steps=accum,
                     num_mini_batches=int(p.num_mini_batches), local_mini_batch_size=local_mini,
                     local_batch_size=local_batch, mini_batch_size=local_mini * world_size, batch_size=batch,

@@ -67,7 +67,7 @@ def resolve_compute_dtype(name: str | None, accelerator: str) -> torch.dtype | N
         if accelerator == "cuda" and torch.cuda.is_available():
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return None
-    table = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    table = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name not in table:
         raise RlhfError(f"device.mixed_precision={name} is unknown; use auto, no, bf16 or fp16")
     return table[name]

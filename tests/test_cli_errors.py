@@ -92,7 +92,7 @@ def test_missing_required_keys(run_cli, tmp_path, tiny_base):
     assert_one_line_error(
         run_cli("reward", f"reward.init_from={tiny_base}", "data.train_path=pairs.jsonl",
                 "data.eval_path=null"),
-        "reward", "pairs.jsonl: row 2 is missing required key(s) chosen, rejected")
+        "reward", "pairs.jsonl: line 2 is missing required key(s) chosen, rejected")
 
 
 def test_empty_dataset_file(run_cli, tmp_path, tiny_base):
@@ -125,9 +125,10 @@ def test_failed_run_keeps_earlier_output(run_cli, tmp_path, tiny_base):
     reward_dir = tmp_path / "runs" / "tiny" / "reward"
     reward_dir.mkdir(parents=True)
     (reward_dir / "marker.txt").write_text("good output")
+    (reward_dir / ".rlhf-output").write_text("{}")  # an earlier output of rlhf's own
     (tmp_path / "bad.jsonl").write_text("not json\n")
     assert_one_line_error(run_cli("reward", f"reward.init_from={tiny_base}", "data.train_path=bad.jsonl"),
                           "reward", "bad.jsonl:1: malformed JSON")
     assert (reward_dir / "marker.txt").read_text() == "good output"
-    assert sorted(p.name for p in reward_dir.iterdir()) == ["marker.txt"]
+    assert sorted(p.name for p in reward_dir.iterdir()) == [".rlhf-output", "marker.txt"]
     assert not list(reward_dir.parent.glob(".reward.tmp-*"))

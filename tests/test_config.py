@@ -1,13 +1,19 @@
-"""Config composition (recipes, overrides), free-text quoting, and the PPO batch arithmetic."""
+"""Config composition (recipes, overrides), free-text quoting, the schema every key is checked against, and
+the PPO batch arithmetic."""
 
 from __future__ import annotations
 
+import logging
+import math
+
 import pytest
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from rlhf_cli import schema
 from rlhf_cli.config import (
     COMMANDS,
+    CONF_DIR,
     PACKAGE_DIR,
     RECIPES_DIR,
     compose,
@@ -85,10 +91,10 @@ def test_device_group_override():
     assert compose("sft").device.threads == 1
 
 
-def test_unknown_key_raises_hydra_error_naming_it():
+def test_unknown_key_raises_an_error_naming_it():
     with pytest.raises(HydraException, match="nosuch"):
-        compose("sft", ["nosuch.key=1"])
-    with pytest.raises(HydraException, match="not_a_key"):
+        compose("sft", ["nosuch.key=1"])  # not one of the project's groups: Hydra's own error
+    with pytest.raises(RlhfError, match="sft.not_a_key is not a config key"):
         compose("sft", ["sft.not_a_key=3"])
 
 
@@ -133,6 +139,203 @@ def test_non_ascii_value_for_any_key_is_quoted():
 
 def test_already_quoted_value_is_passed_through():
     assert translate_overrides("chat", ["prompt='hi there'"])[-1] == "prompt='hi there'"
+
+
+# ------------------------------------------------------------------------------------------------- schema
+DEVICES = sorted(p.stem for p in (CONF_DIR / "device").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+DATA = sorted(p.stem for p in (CONF_DIR / "data").glob("*.yaml"))
+# keys another change adds to conf/ at the same time; the schema knows them before the yaml does
+PENDING = {"device.collective_timeout_s"}
+
+
+def leaf_keys(node, prefix: str = ""):
+    """Dotted paths of the leaves below `node` (lists and free-form mappings are leaves)."""
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and path not in schema.SCHEMA:
+            yield from leaf_keys(value, path + ".")
+        else:
+            yield path
+
+
+def group_leaves(cfg: DictConfig) -> set[str]:
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    return {k for k in leaf_keys(raw) if k.split(".", 1)[0] in schema.GROUPS or "." not in k}
+
+
+def composed_configs():
+    for recipe in recipe_names():
+        for command in COMMANDS:
+            yield f"{command} recipe={recipe}", compose(command, [f"recipe={recipe}"], validate=False)
+    for group, options in (("device", DEVICES), ("model", MODELS), ("data", DATA)):
+        for option in options:
+            yield f"{group}={option}", compose("sft", [f"{group}={option}"], validate=False)
+
+
+def test_schema_knows_every_key_of_every_composed_config():
+    unknown = {}
+    for name, cfg in composed_configs():
+        for key in group_leaves(cfg) - set(schema.SCHEMA):
+            unknown.setdefault(key, name)
+    assert not unknown, f"keys in conf/ or recipes/ that rlhf_cli/schema.py does not know: {unknown}"
+
+
+def test_every_schema_key_is_in_the_config():
+    keys = set()
+    for _, cfg in composed_configs():
+        keys |= group_leaves(cfg)
+    stale = set(schema.SCHEMA) - keys - PENDING
+    assert not stale, f"schema keys that no config has (renamed or removed in conf/?): {sorted(stale)}"
+
+
+@pytest.mark.parametrize("path", sorted([*CONF_DIR.rglob("*.yaml"), *RECIPES_DIR.glob("*.yaml")]),
+                         ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_yaml_key_is_in_the_schema(path):
+    """The files themselves, before composition: a key a recipe sets under a group is a key of that group."""
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    raw.pop("defaults", None)
+    raw.pop("hydra", None)
+    rel = path.relative_to(CONF_DIR).parts if CONF_DIR in path.parents else ("recipes",)
+    prefix = {"stage": path.stem + ".", "recipes": ""}.get(rel[0], "" if len(rel) == 1 else rel[0] + ".")
+    for key in leaf_keys(raw, prefix):
+        assert key in schema.SCHEMA, f"{path}: {key} is not in rlhf_cli/schema.py"
+        value = raw
+        for part in key[len(prefix):].split(".") if prefix else key.split("."):
+            value = value[part]
+        if not (isinstance(value, str) and ("${" in value or value == "???")):  # checked once composed
+            assert schema.check_value(key, value, schema.SCHEMA[key]) is None, (path, key, value)
+
+
+def test_default_configs_validate():
+    for _, cfg in composed_configs():
+        schema.validate(cfg)
+
+
+def test_pending_keys_are_checked_when_present():
+    cfg = compose("sft")
+    for key in PENDING:
+        if OmegaConf.select(cfg, key) is None:
+            continue
+        with pytest.raises(RlhfError, match=rf"^{key}=0 is out of range"):
+            compose("sft", [f"{key}=0"])
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("ppo.total_episodes", "abc", "ppo.total_episodes=abc is not an integer; use a whole number ≥ 1"),
+    ("ppo.total_episodes", 64.0, "ppo.total_episodes=64.0 is not an integer"),
+    ("ppo.total_episodes", True, "ppo.total_episodes=true is not an integer"),
+    ("sft.per_device_train_batch_size", 0, "sft.per_device_train_batch_size=0 is out of range; use a whole"),
+    ("reward.gradient_accumulation_steps", -2, "reward.gradient_accumulation_steps=-2 is out of range"),
+    ("sft.learning_rate", math.nan, "sft.learning_rate=nan is not a finite number; use a number > 0"),
+    ("ppo.learning_rate", 0, "ppo.learning_rate=0 is out of range; use a number > 0"),
+    ("ppo.learning_rate", math.inf, "ppo.learning_rate=inf is not a finite number"),
+    ("ppo.learning_rate", "fast", "ppo.learning_rate=fast is not a number"),
+    ("ppo.learning_rate", None, "ppo.learning_rate=null is not allowed; use a number > 0"),
+    ("ppo.value_learning_rate", -1e-5, "ppo.value_learning_rate=-1e-05 is out of range; use a number > 0"),
+    ("ppo.top_p", 0.0, "ppo.top_p=0.0 is out of range; use a number in (0, 1]"),
+    ("ppo.gamma", 1.5, "ppo.gamma=1.5 is out of range; use a number in [0, 1]"),
+    ("sft.warmup_ratio", 1, "sft.warmup_ratio=1 is out of range; use a number in [0, 1)"),
+    ("sft.max_steps", 0, "sft.max_steps=0 is out of range; use -1 or a whole number ≥ 1"),
+    ("device.num_processes", "two", "device.num_processes=two is not an integer; use auto or a whole number"),
+    ("device.main_process_port", 70000, "device.main_process_port=70000 is out of range; use a whole"),
+    ("ppo.kl_estimator", "k2", "ppo.kl_estimator=k2 is unknown; use one of k1, k3, abs, mse"),
+    ("ppo.stop_token", "eot", "ppo.stop_token=eot is unknown; use eos or null"),
+    ("ppo.recompute_logprobs", "yes", "ppo.recompute_logprobs=yes is unknown; use one of auto, true, false"),
+    ("ppo.recompute_logprobs", 1, "ppo.recompute_logprobs=1 is unknown"),
+    ("device.mixed_precision", "fp8", "device.mixed_precision=fp8 is unknown; use one of auto, no, bf16"),
+    ("device.strategy", "mpi", "device.strategy=mpi is unknown; use one of single, ddp, deepspeed, fsdp"),
+    ("model.hub", "github", "model.hub=github is unknown; use modelscope or hf"),
+    ("model.dtype", "float64", "model.dtype=float64 is unknown; use one of auto, float32, bfloat16"),
+    ("sft.lr_scheduler_type", "cosinus", "sft.lr_scheduler_type=cosinus is unknown; use one of linear"),
+    ("ppo.lr_scheduler_type", "cosine_with_min_lr", "ppo.lr_scheduler_type=cosine_with_min_lr needs"),
+    ("ppo.adaptive_kl", "yes", "ppo.adaptive_kl=yes is not true or false"),
+    ("sft.output_dir", "", "sft.output_dir is empty"),
+    ("model.name_or_path", 7, "model.name_or_path=7 is not text; quote it (model.name_or_path='7')"),
+    ("ppo.stop_token_ids", [1, -2], "ppo.stop_token_ids=[1, -2] is not a list of token ids"),
+    ("ppo.lora.target_modules", [], "ppo.lora.target_modules=[] is not a module name or a list of them"),
+    ("doctor.stages", ["sft", "rlhf"], "doctor.stages: rlhf is unknown; use a list of sft, reward, ppo"),
+    ("eval.policies", {}, "eval.policies={} is not a mapping of names to directories"),
+    ("eval.policies", {"ppo": None}, "eval.policies.ppo=null is not a directory"),
+])
+def test_bad_values_name_the_key_the_value_and_the_range(key, value, needle):
+    message = schema.check_value(key, value, schema.SCHEMA[key])
+    assert message is not None and message.startswith(needle), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("key,value", [
+    ("ppo.total_episodes", 64), ("sft.max_steps", -1), ("device.num_processes", "auto"), ("ppo.top_p", 1.0),
+    ("ppo.top_k", 0), ("ppo.stop_token", None), ("ppo.recompute_logprobs", False), ("ppo.target_kl", None),
+    ("ppo.lora.target_modules", "all-linear"), ("ppo.lora.target_modules", ["q_proj", "lm_head"]),
+    ("ppo.stop_token_ids", []), ("eval.policies", {"sft": "runs/tiny/sft"}), ("chat.prompt", ""),
+    ("ppo.missing_eos_penalty", -1.5), ("device.zero_stage", 3), ("sft.learning_rate", 1),
+])
+def test_good_values_pass(key, value):
+    assert schema.check_value(key, value, schema.SCHEMA[key]) is None
+
+
+def test_schedulers_are_transformers_scheduler_types():
+    names = set(schema.scheduler_types())
+    assert set(schema.SCHEDULERS) <= names and set(schema.SCHEDULERS_NOT_RUN) <= names
+    # a schedule a newer transformers adds gets a decision: runnable here, or not
+    assert names == set(schema.SCHEDULERS) | set(schema.SCHEDULERS_NOT_RUN)
+
+
+def test_doctor_stages_are_the_memory_planners():
+    from rlhf_cli.memory import PLANNERS
+
+    assert schema.SCHEMA["doctor.stages"].choices == tuple(PLANNERS)
+
+
+def test_compose_validates_and_names_the_first_bad_key_and_the_others():
+    with pytest.raises(RlhfError, match=r"^ppo\.total_episodes=abc is not an integer"):
+        compose("ppo", ["ppo.total_episodes=abc"])
+    with pytest.raises(RlhfError, match=r"^sft\.learning_rate=nan .*\(also check sft\.max_grad_norm\)$"):
+        compose("sft", ["sft.learning_rate=nan", "sft.max_grad_norm=-1"])
+    cfg = compose("ppo", ["ppo.total_episodes=abc"], validate=False)
+    assert cfg.ppo.total_episodes == "abc"
+
+
+def test_interpolated_keys_are_checked_resolved():
+    # eval.temperature is ${ppo.temperature}: one bad value, both keys named
+    with pytest.raises(RlhfError, match=r"^ppo\.temperature=0 is out of range.*also check eval\.temperature"):
+        compose("eval", ["ppo.temperature=0"])
+    with pytest.raises(RlhfError, match=r"sft\.output_dir cannot be resolved"):
+        compose("sft", ["sft.output_dir=${nosuch.key}"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("+sft.max_step=2", "sft.max_step is not a config key; did you mean sft.max_steps?"),
+    ("sft.max_step=2", "sft.max_step is not a config key; did you mean sft.max_steps?"),
+    ("++ppo.lora_r=4", "ppo.lora_r is not a config key; did you mean ppo.lora.r?"),
+    ("+ppo.target_kl_value=6", "ppo.target_kl_value is now ppo.adaptive_kl_target"),
+    ("+ppo.lora.dropout=0.1", "ppo.lora.dropout is not a config key any more"),
+    ("+export.dir=x", "export.dir is not a config key; export has output_dir"),
+    ("+ppo.lr=1", "ppo.lr is not a config key; `rlhf ppo --cfg job` prints the keys"),
+])
+def test_unknown_keys_are_refused_with_a_suggestion(override, needle):
+    with pytest.raises(RlhfError) as e:
+        compose("ppo", [override])
+    assert str(e.value).startswith(needle), str(e.value)
+
+
+def test_unknown_keys_from_a_recipe_are_refused_after_composition():
+    cfg = compose("ppo", validate=False)
+    OmegaConf.set_struct(cfg, False)
+    cfg.ppo.target_kl_value = 6.0  # what an old recipe file would add
+    with pytest.raises(RlhfError, match="ppo.target_kl_value is now ppo.adaptive_kl_target"):
+        schema.validate(cfg)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["device=cuda", "model=qwen3-0.6b", "data=file"],                    # group choices
+    ["+eval.policies.ppo2=runs/other/ppo"],                                # free-form mapping
+    ["+my_key=1", "hydra.job.chdir=false"],                                # top-level and Hydra's own keys
+    ["ppo.lora.target_modules=[q_proj,v_proj]", "sft.learning_rate=1e-3,3e-4"],  # lists, sweeps
+])
+def test_override_keys_that_pass(overrides):
+    schema.check_override_keys(overrides, "ppo")
 
 
 # ------------------------------------------------------------------------------------------- PPO sizes
@@ -204,6 +407,18 @@ def test_ppo_sizes_zero_response_length():
 def test_ppo_sizes_non_positive_counts(key):
     with pytest.raises(RlhfError, match=rf"ppo\.{key} must be >= 1"):
         ppo_sizes(ppo_cfg(**{key: 0}))
+
+
+def test_ppo_sizes_says_what_it_does_with_the_remainder(caplog):
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        s = ppo_sizes(ppo_cfg(num_mini_batches=2, total_episodes=100))
+    assert (s.batch_size, s.num_updates) == (64, 1)
+    want = "ppo.total_episodes=100 is not a multiple of the 64-episode batch; training 64 episodes (1 update)"
+    assert want in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        ppo_sizes(ppo_cfg(total_episodes=128))
+    assert not caplog.text
 
 
 def test_ppo_sizes_from_overrides():

@@ -14,6 +14,7 @@ from positions P-1 … P+R-2, and the reward model's score from the last valid r
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -151,13 +152,15 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
     temp = s.score_temperature
     fixed = None if stop_ids or s.greedy else int(s.max_new_tokens)
     stop_t = torch.tensor(stop_ids, device=device) if stop_ids else None
-    chunks = []
+    chunks, t_gen, t_score = [], 0.0, 0.0
     for i in range(0, len(prompts), max(int(s.forward_batch_size), 1)):
+        t0 = time.perf_counter()
         q_ids = enc["input_ids"][i: i + s.forward_batch_size].to(device)
         q_mask = enc["attention_mask"][i: i + s.forward_batch_size].to(device)
         g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size)
         resp, rmask = g["response"], g["mask"]
-        R = resp.shape[1]
+        R = resp.shape[1]  # a host sync: the generation time below is real on a GPU too
+        t1 = time.perf_counter()
         input_ids = torch.cat([q_ids, resp], 1)
         attn = torch.cat([q_mask, rmask.long()], 1)
         pos = position_ids_from(attn)
@@ -179,7 +182,10 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
             else torch.zeros(resp.shape[0], dtype=torch.bool, device=device)
         texts = tok.batch_decode(resp, skip_special_tokens=True)
         empty = torch.tensor([not t.strip() for t in texts], device=device)
+        t_gen, t_score = t_gen + (t1 - t0), t_score + (time.perf_counter() - t1)
         chunks.append(Experience(input_ids=input_ids, attention_mask=attn, position_ids=pos, response_ids=resp,
                                  response_mask=rmask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
                                  has_stop=has_stop, empty=empty, texts=texts, values=values, rm_scores=rm_scores))
-    return Experience.cat(chunks).trim()
+    exp = Experience.cat(chunks).trim()
+    exp.extras.update({"time/generate_s": t_gen, "time/score_s": t_score})
+    return exp

@@ -342,13 +342,17 @@ class PPOTrainer:
                 self.check_first_update(exp)
             t_gen = clock() - t0
             exp = self.compute_advantages(exp)                     # step 3+4. rewards, advantages
+            t1 = clock()
             stats = self.update(exp)                               # step 5. PPO epochs
+            t_train = clock() - t1
             self.progress.update, self.progress.episodes = update, self.progress.episodes + sz.batch_size
             metrics = self.metrics(exp, stats)                     # step 6. log, checkpoint
             elapsed = clock() - t0
             metrics.update({"lr": self.scheduler.get_last_lr()[0], "kl_coef": float(self.kl_ctl.value),
                             "eps": sz.batch_size / elapsed, "time/rollout_s": t_gen, "time/update_s": elapsed,
-                            "episodes": self.progress.episodes})
+                            "time/train_s": t_train, "episodes": self.progress.episodes, **exp.extras})
+            if self.device.type == "cuda":
+                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             self.progress.metrics = metrics
             self.kl_ctl.update(metrics["objective/kl"], sz.batch_size)
             self.log(exp, metrics)

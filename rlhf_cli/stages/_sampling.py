@@ -23,11 +23,8 @@ def prompts(cfg, tok, split: str, limit: int | None = None) -> tuple[list[str], 
 
 def stop_ids(cfg, tok) -> tuple[int, ...]:
     """`ppo.stop_token`: eos (plus `ppo.stop_token_ids`) ends a response; null: fixed-length responses."""
-    st = cfg.ppo.stop_token
-    if st == "eos":
+    if cfg.ppo.stop_token == "eos":  # the schema allows eos or null
         return (int(tok.eos_token_id), *(int(i) for i in cfg.ppo.stop_token_ids))
-    if st is not None:
-        raise RlhfError(f"ppo.stop_token={st} is unknown; use eos, or null for fixed-length responses")
     return ()
 
 

@@ -1,0 +1,138 @@
+"""The real recipe on the exact Qwen3-0.6B architecture, here, with no download.
+
+Builds Qwen3-0.6B's architecture with random weights (vocab rows 151,936, hidden 1024, 28 layers, 16 heads,
+8 kv heads, head_dim 128, intermediate 3072, tied embeddings) and a tokenizer trained on the shipped demo data
+(~2,000 tokens: smaller than the embedding, as real Qwen3's 151,669 tokens are), then runs the `qwen3-0.6b`
+recipe's chain with small batches:
+
+    sft -> reward -> ppo (2 updates) -> eval -> export -> chat
+
+and prints, per stage: exit code, wall time, peak RSS, and `rlhf doctor`'s plan for the same settings.
+
+    .venv/bin/python bench/real_check.py                       # bf16 (the GPU dtype) on the CPU
+    .venv/bin/python bench/real_check.py --precision fp32
+    .venv/bin/python bench/real_check.py --device cuda          # the same chain on a GPU (see bench/gpu_check.sh)
+
+Every stage is the real `rlhf` command in a child process; peak RSS is the child's own (`wait4`). Results go to
+<run-dir>/real_check.json and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RLHF = Path(sys.executable).with_name("rlhf")
+
+ARCH = ["model.name_or_path=tiny", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=3072",
+        "model.tiny.num_hidden_layers=28", "model.tiny.num_attention_heads=16", "model.tiny.num_key_value_heads=8",
+        "model.tiny.head_dim=128", "model.tiny.embedding_rows=151936", "model.tiny.vocab_size=2000"]
+
+
+def overrides(run_dir: Path, eval_file: Path, precision: str, device: str, threads: int,
+              response_length: int) -> list[str]:
+    prec = {"bf16": ["model.dtype=bfloat16", "device.mixed_precision=bf16"],
+            "fp32": ["model.dtype=float32", "device.mixed_precision=no"]}[precision]
+    dev = ["device=cpu", f"device.threads={threads}"] if device == "cpu" else ["device=cuda"]
+    return ["recipe=qwen3-0.6b", f"run_dir={run_dir}", *ARCH, *prec, *dev,
+            "data=demo", "data.ground_truth=demo_polite", f"data.eval_path={eval_file}", "data.max_rows=64",
+            "sft.max_steps=2", "sft.per_device_train_batch_size=2", "sft.gradient_accumulation_steps=1",
+            "sft.per_device_eval_batch_size=4", "sft.eval_steps=100", "sft.logging_steps=1", "sft.max_length=128",
+            "reward.max_steps=2", "reward.per_device_train_batch_size=2", "reward.gradient_accumulation_steps=1",
+            "reward.per_device_eval_batch_size=4", "reward.eval_steps=100", "reward.logging_steps=1",
+            "reward.max_length=128",
+            "ppo.total_episodes=4", "ppo.per_device_train_batch_size=2", "ppo.gradient_accumulation_steps=1",
+            "ppo.num_mini_batches=1", "ppo.rollout_forward_batch_size=2", f"ppo.response_length={response_length}",
+            "ppo.save_every=1", "ppo.learning_rate=1e-5",
+            "eval.num_prompts=4", "eval.batch_size=2"]
+
+
+def run_stage(args: list[str], log: Path) -> tuple[int, float, float]:
+    """(exit code, wall seconds, peak RSS in GiB) of one `rlhf` command."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen([str(RLHF), *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss / 1024 ** 2  # Linux: KiB
+
+
+def doctor_plans(ov: list[str]) -> dict[str, float]:
+    """GiB per process that `rlhf doctor` plans for sft, reward and ppo with these overrides."""
+    from rlhf_cli import memory
+    from rlhf_cli.config import compose
+
+    cfg = compose("doctor", ov)
+    arch = memory.arch_for_model(cfg.model)[0]
+    return {st: memory.plan_stage(cfg, st, arch).total / 1024 ** 3 for st in ("sft", "reward", "ppo")}
+
+
+def changed_share(run_dir: Path) -> dict[str, float]:
+    """Share of the trainable elements of the policy adapter and of the value model's trainable part (its LoRA
+    adapter + score head) that the last update changed: the final output against checkpoint-1 (a lower bound on
+    the share that moved from the initial values)."""
+    from safetensors.torch import load_file
+
+    out = run_dir / "ppo"
+    first = out / "checkpoints" / "checkpoint-1"
+    shares = {}
+    for name, sub in (("policy_adapter", "."), ("value_trainable", "value")):
+        end = load_file(str(out / sub / "adapter_model.safetensors"))
+        start = load_file(str(first / sub / "adapter_model.safetensors"))
+        changed = sum(int((end[k].float() != start[k].float()).sum()) for k in end)
+        shares[name] = round(changed / sum(v.numel() for v in end.values()), 4)
+    return shares
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", default=str(REPO / "runs" / "real-check"))
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--response-length", type=int, default=16)
+    a = ap.parse_args(argv)
+    run_dir = Path(a.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    eval_file = run_dir / "eval_prompts.jsonl"
+    test_rows = (REPO / "rlhf_cli/demo/data/polite_test.jsonl").read_text(encoding="utf-8").splitlines()[:8]
+    eval_file.write_text("\n".join(test_rows) + "\n", encoding="utf-8")
+    ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length)
+    plans = doctor_plans(ov)
+    stages = [("sft", []), ("reward", []), ("ppo", []), ("eval", []), ("export", []),
+              ("chat", ["prompt=hello", "chat.model_dir=" + str(run_dir / "ppo"), "chat.max_new_tokens=8"])]
+    rows = []
+    for stage, extra in stages:
+        rc, wall, rss = run_stage([stage, *ov, *extra], run_dir / f"{stage}.log")
+        plan = plans.get(stage)
+        rows.append({"stage": stage, "rc": rc, "wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2),
+                     "plan_gib": round(plan, 2) if plan else None,
+                     "rss_vs_plan": round(rss / plan, 3) if plan else None})
+        print(json.dumps(rows[-1]), flush=True)
+        if rc != 0:
+            print(f"{stage} failed: see {run_dir / (stage + '.log')}", file=sys.stderr)
+            break
+    result = {"precision": a.precision, "device": a.device, "threads": a.threads, "stages": rows}
+    if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages):
+        result["eval"] = json.loads((run_dir / "eval" / "report.json").read_text())["policies"]
+        result["changed_in_last_update"] = changed_share(run_dir)
+        result["ppo_metrics"] = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+        print(json.dumps({k: result[k] for k in ("changed_in_last_update", "eval")}))
+    (run_dir / "real_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\n| stage | exit | wall (s) | peak RSS (GiB) | doctor plan (GiB) | RSS / plan |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['stage']} | {r['rc']} | {r['wall_s']} | {r['peak_rss_gib']} | {r['plan_gib'] or '-'} | "
+              f"{r['rss_vs_plan'] or '-'} |")
+    return 0 if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""The config schema: one table (`SCHEMA`) of every key under the project's config groups with its type and
+allowed values, checked once after composition by `validate(cfg)`, before any stage starts or any model is
+built. A bad value fails as one line naming the key, the value and what is allowed
+(`ppo.total_episodes=abc is not an integer; use a whole number ≥ 1`), instead of deep inside a library
+(`invalid literal for int()`, `ZeroDivisionError`, `Invalid learning rate: nan`).
+
+Keys under the groups that the table does not know are refused too, with the closest known key:
+`+sft.max_step=2` would otherwise be composed and silently ignored. `check_override_keys` does the same for
+the command line before Hydra runs, so `sft.max_step=2` and `+sft.max_step=2` get the same answer. Top-level
+keys other than the project's own, `hydra.*`, and free-form values (`eval.policies`, a dict of name ->
+directory) are left alone.
+
+Imports no torch or transformers (config errors answer in well under a second).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlhf_cli.config import COMMANDS
+from rlhf_cli.data import FORMATS
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.launch import STRATEGIES
+from rlhf_cli.memory import PLANNERS
+
+# config groups whose keys are all known: anything else under them is a typo or a key that has gone
+GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "eval", "chat", "doctor", "export")
+# learning-rate schedules, by transformers' SchedulerType names (tests/test_config.py checks both lists)
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt")  # need nothing but the warmup and total step counts
+# need a metric (reduce_lr_on_plateau, greedy) or arguments rlhf does not pass (min_lr, num_decay_steps), and
+# fail inside the trainer or the PPO loop
+SCHEDULERS_NOT_RUN = ("reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                      "warmup_stable_decay")
+# keys that existed once: their own message instead of a guess
+RENAMED = {"ppo.target_kl_value": "ppo.adaptive_kl_target"}
+REMOVED = {"ppo.lora.dropout": "the PPO adapter trains without dropout (its old log-probs come from sampling "
+                               "in eval mode); sft.lora.dropout is the SFT one"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one key accepts. `kind`: int | float | bool | text | enum | scheduler | int_list | enum_list |
+    modules (a module name or a list of them) | mapping (name -> text)."""
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False      # lo itself is refused (> lo rather than ≥ lo)
+    hi_open: bool = False
+    choices: tuple = ()        # enum / enum_list: the values; int: values allowed besides the range
+    nullable: bool = False     # null is allowed (the yaml's default is null, or null means "automatic")
+    empty: bool = False        # text: the empty string is allowed
+
+
+def whole(lo: int | None = None, hi: int | None = None, *, also: tuple = (), null: bool = False) -> Rule:
+    return Rule("int", lo=lo, hi=hi, choices=also, nullable=null)
+
+
+def number(lo: float | None = None, hi: float | None = None, *, gt: float | None = None,
+           lt: float | None = None, null: bool = False) -> Rule:
+    """A finite number in [lo, hi]; `gt` / `lt` instead of `lo` / `hi` leave the bound itself out."""
+    return Rule("float", lo=gt if gt is not None else lo, hi=lt if lt is not None else hi,
+                lo_open=gt is not None, hi_open=lt is not None, nullable=null)
+
+
+def flag() -> Rule:
+    return Rule("bool")
+
+
+def text(*, null: bool = False, empty: bool = False) -> Rule:
+    """A string: a path, a name, a prompt. Non-empty unless `empty`."""
+    return Rule("text", nullable=null, empty=empty)
+
+
+def one_of(*choices) -> Rule:
+    """One of the listed values; a None among them means null is allowed."""
+    return Rule("enum", choices=tuple(c for c in choices if c is not None), nullable=None in choices)
+
+
+COUNT = whole(1)                       # a size or a number of steps: 0 makes no sense
+PROB = number(0, 1)
+LR = number(gt=0)
+
+
+def _trainer_keys(stage: str) -> dict[str, Rule]:
+    """The keys sft and reward share: TrainingArguments fields (rlhf_cli.stages._common.trainer_kwargs)."""
+    return {f"{stage}.{k}": r for k, r in {
+        "output_dir": text(),
+        "learning_rate": LR,
+        "num_train_epochs": number(gt=0),
+        "max_steps": whole(1, also=(-1,)),           # -1: num_train_epochs decides
+        "per_device_train_batch_size": COUNT,
+        "gradient_accumulation_steps": COUNT,
+        "per_device_eval_batch_size": COUNT,
+        "max_length": COUNT,
+        "lr_scheduler_type": Rule("scheduler"),
+        "warmup_ratio": number(0, lt=1),
+        "weight_decay": number(0),
+        "max_grad_norm": number(0),                  # 0: no clipping
+        "logging_steps": COUNT,
+        "eval_steps": COUNT,
+        "activation_checkpointing": flag(),
+    }.items()}
+
+
+def _lora_keys(stage: str) -> dict[str, Rule]:
+    return {f"{stage}.lora.enabled": flag(), f"{stage}.lora.r": COUNT, f"{stage}.lora.alpha": COUNT,
+            f"{stage}.lora.target_modules": Rule("modules")}
+
+
+SCHEMA: dict[str, Rule] = {
+    # ---- conf/config.yaml (top level)
+    "command": one_of(*COMMANDS),
+    "recipe": text(),
+    "run_dir": text(),
+    "seed": whole(0),
+    "debug": flag(),
+    "dry_run": flag(),
+    "export.output_dir": text(null=True),
+    # ---- conf/model
+    "model.name_or_path": text(),
+    "model.hub": one_of("modelscope", "hf"),
+    "model.revision": text(null=True),
+    "model.cache_dir": text(null=True),
+    "model.offline": flag(),
+    "model.dtype": one_of("auto", "float32", "bfloat16", "float16"),
+    "model.trust_remote_code": flag(),
+    "model.attn_implementation": text(null=True),    # a kernel the library refuses fails at load, named
+    "model.pad_token": text(null=True),
+    "model.enable_thinking": flag(),
+    "model.tiny.dir": text(),
+    "model.tiny.seed": whole(0),
+    "model.tiny.vocab_size": whole(260),             # 256 byte tokens + the 4 special tokens (rlhf_cli.tiny)
+    "model.tiny.hidden_size": COUNT,
+    "model.tiny.intermediate_size": COUNT,
+    "model.tiny.num_hidden_layers": COUNT,
+    "model.tiny.num_attention_heads": COUNT,
+    "model.tiny.num_key_value_heads": COUNT,
+    "model.tiny.head_dim": COUNT,
+    "model.tiny.embedding_rows": whole(1, null=True),  # null: the tokenizer's size; fewer: refused by tiny
+    # ---- conf/data
+    "data.train_path": text(null=True),              # null: data=file without a file; the data loader says so
+    "data.eval_path": text(null=True, empty=True),   # null / empty: split eval_ratio off the train file
+    "data.split": text(),
+    "data.format": one_of("auto", *FORMATS),
+    "data.eval_ratio": number(0, lt=1),
+    "data.split_seed": whole(0),
+    "data.system_prompt": text(null=True, empty=True),
+    "data.chat_template": flag(),
+    "data.sft_on_rejected": flag(),
+    "data.max_prompt_length": COUNT,
+    "data.max_rows": whole(1, null=True),
+    "data.ground_truth": one_of("demo_polite", None),
+    # ---- conf/device
+    "device.name": text(),
+    "device.accelerator": one_of("cpu", "cuda"),
+    "device.strategy": one_of(*STRATEGIES),
+    "device.num_processes": whole(1, also=("auto",)),
+    "device.threads": whole(0),                      # 0: torch's default
+    "device.mixed_precision": one_of("auto", "no", "bf16", "fp16"),
+    "device.zero_stage": whole(0, 3),
+    "device.offload_optimizer": flag(),
+    "device.offload_params": flag(),
+    "device.fsdp.version": whole(1, 2),
+    "device.fsdp.reshard_after_forward": flag(),
+    "device.fsdp.state_dict_type": one_of("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+    "device.fsdp.activation_checkpointing": flag(),
+    "device.num_machines": COUNT,
+    "device.machine_rank": whole(0),                 # < num_machines: checked by rlhf_cli.launch
+    "device.main_process_ip": text(null=True),
+    "device.main_process_port": whole(1, 65535, null=True),
+    "device.rdzv_backend": one_of("static", "c10d"),
+    "device.collective_timeout_s": COUNT,            # seconds a collective may wait before the run fails
+    # ---- conf/stage/sft.yaml
+    **_trainer_keys("sft"),
+    **_lora_keys("sft"),
+    "sft.lora.dropout": number(0, lt=1),
+    # ---- conf/stage/reward.yaml
+    **_trainer_keys("reward"),
+    "reward.init_from": text(),                      # a model directory, or "base"
+    "reward.center_rewards_coefficient": number(0, null=True),
+    # ---- conf/stage/ppo.yaml
+    "ppo.output_dir": text(),
+    "ppo.policy_dir": text(),
+    "ppo.reward_dir": text(),
+    "ppo.value_init": text(),                        # reward | sft | base | a model directory
+    "ppo.value_lora": flag(),
+    "ppo.total_episodes": COUNT,                     # ≥ one update's batch: checked by config.ppo_sizes
+    "ppo.per_device_train_batch_size": COUNT,
+    "ppo.gradient_accumulation_steps": COUNT,
+    "ppo.num_mini_batches": COUNT,
+    "ppo.rollout_forward_batch_size": COUNT,
+    "ppo.num_ppo_epochs": COUNT,
+    "ppo.learning_rate": LR,
+    "ppo.value_learning_rate": number(gt=0, null=True),  # null: learning_rate
+    "ppo.lr_scheduler_type": Rule("scheduler"),
+    "ppo.warmup_ratio": number(0, lt=1),
+    "ppo.weight_decay": number(0),
+    "ppo.max_grad_norm": number(0, null=True),       # null / 0: no clipping
+    "ppo.response_length": COUNT,
+    "ppo.temperature": number(gt=0),
+    "ppo.top_k": whole(0),                           # 0: off
+    "ppo.top_p": number(gt=0, hi=1),
+    "ppo.stop_token": one_of("eos", None),
+    "ppo.stop_token_ids": Rule("int_list", lo=0),
+    "ppo.kl_coef": number(0),
+    "ppo.kl_estimator": one_of("k1", "k3", "abs", "mse"),
+    "ppo.adaptive_kl": flag(),
+    "ppo.adaptive_kl_target": number(gt=0),
+    "ppo.kl_horizon": number(gt=0),
+    "ppo.gamma": PROB,
+    "ppo.lam": PROB,
+    "ppo.cliprange": number(gt=0, hi=1),
+    "ppo.cliprange_value": number(gt=0),
+    "ppo.vf_coef": number(0),
+    "ppo.ent_coef": number(0),
+    "ppo.target_kl": number(gt=0, null=True),
+    "ppo.whiten_rewards": flag(),
+    "ppo.normalize_scores": flag(),
+    "ppo.missing_eos_penalty": number(null=True),
+    "ppo.empty_response_penalty": number(null=True),
+    "ppo.first_update_kl_tolerance": number(gt=0, null=True),  # null: by compute precision
+    "ppo.recompute_logprobs": one_of("auto", True, False),
+    **_lora_keys("ppo"),
+    "ppo.logging_steps": COUNT,
+    "ppo.sample_every": whole(0),                    # 0: never
+    "ppo.save_every": whole(0),                      # 0: only at the end
+    "ppo.resume": flag(),
+    "ppo.merge": flag(),
+    # ---- conf/stage/eval.yaml
+    "eval.output_dir": text(),
+    "eval.policies": Rule("mapping"),
+    "eval.reward_dir": text(),
+    "eval.num_prompts": COUNT,
+    "eval.batch_size": COUNT,
+    "eval.response_length": COUNT,
+    "eval.temperature": number(gt=0),
+    "eval.top_k": whole(0),
+    "eval.top_p": number(gt=0, hi=1),
+    "eval.greedy": flag(),
+    # ---- conf/stage/chat.yaml
+    "chat.model_dir": text(),
+    "chat.prompt": text(null=True, empty=True),
+    "chat.system_prompt": text(null=True, empty=True),
+    "chat.max_new_tokens": COUNT,
+    "chat.temperature": number(gt=0),
+    "chat.top_k": whole(0),
+    "chat.top_p": number(gt=0, hi=1),
+    "chat.do_sample": flag(),
+    # ---- conf/stage/doctor.yaml
+    "doctor.stages": Rule("enum_list", choices=tuple(PLANNERS)),
+    "doctor.memory_gib": number(gt=0, null=True),    # null: this machine's GPU or free RAM
+    "doctor.timeout_s": number(gt=0),
+}
+
+# dict nodes above the keys (ppo.lora, device.fsdp, model.tiny): walked into, not checked as values
+_PARENTS = {key.rsplit(".", i)[0] for key in SCHEMA for i in range(1, key.count(".") + 1)}
+
+
+# ------------------------------------------------------------------------------------------------- checks
+def validate(cfg: DictConfig) -> None:
+    """Check every key of the composed config against `SCHEMA`; raise one RlhfError naming the first bad key
+    (and listing the others). Keys missing from the config are skipped: an older or newer conf/ still runs."""
+    problems = list(_problems(cfg))
+    if problems:
+        first, *rest = problems
+        more = f" (also check {', '.join(key for key, _ in rest)})" if rest else ""
+        raise RlhfError(first[1] + more)
+
+
+def check_override_keys(overrides: list[str], command: str = "") -> None:
+    """Refuse command-line overrides of keys that the groups do not have (`sft.max_step=2`, `+sft.max_step=2`)
+    before Hydra composes anything. Group choices (`device=cuda`), top-level and `hydra.*` keys pass."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("~+").strip()
+        if "." not in key or "@" in key or key.split(".", 1)[0] not in GROUPS:
+            continue
+        if key in SCHEMA or key in _PARENTS or any(key.startswith(k + ".") for k in SCHEMA):
+            continue
+        raise RlhfError(unknown_key_message(key, command))
+
+
+def unknown_key_message(key: str, command: str = "") -> str:
+    """`sft.max_step is not a config key; did you mean sft.max_steps?`"""
+    if key in RENAMED:
+        return f"{key} is now {RENAMED[key]}; rename it in your command line or recipe"
+    if key in REMOVED:
+        return f"{key} is not a config key any more: {REMOVED[key]}"
+    group, rest = key.split(".", 1)
+    known = sorted(k for k in (*SCHEMA, *_PARENTS) if k.split(".", 1)[0] == group)
+    # matched below the group name, which every candidate shares (it would make `ppo.lr` look like `ppo.lam`)
+    leaves = [k.split(".", 1)[1] for k in known if k in SCHEMA]
+    close = difflib.get_close_matches(rest, leaves, n=1, cutoff=0.75)
+    if close:
+        return f"{key} is not a config key; did you mean {group}.{close[0]}?"
+    parent = key.rsplit(".", 1)[0]
+    siblings = [k.rsplit(".", 1)[1] for k in known if "." in k and k.rsplit(".", 1)[0] == parent]
+    if 0 < len(siblings) <= 10:
+        return f"{key} is not a config key; {parent} has {', '.join(siblings)}"
+    where = f"`rlhf {command} --cfg job`" if command else "`rlhf <command> --cfg job`"
+    return f"{key} is not a config key; {where} prints the keys"
+
+
+def _problems(cfg: DictConfig):
+    """(key, message) for every bad value and unknown key, in config order."""
+    try:
+        command = str(cfg.get("command") or "")
+    except OmegaConfBaseException:
+        command = ""
+    for key in map(str, cfg.keys()):
+        if key not in GROUPS and key not in SCHEMA:
+            continue  # hydra.*, and top-level keys of the user's own
+        value = _read(cfg, key)
+        if isinstance(value, tuple):
+            yield value
+        elif key in SCHEMA:
+            yield from _checked(key, value)
+        elif isinstance(value, DictConfig):
+            yield from _walk(value, key, command)
+        else:
+            yield key, f"{key}={_show(value)} is not a config group; set its keys instead ({key}.KEY=VALUE)"
+
+
+def _walk(node: DictConfig, prefix: str, command: str):
+    for name in map(str, node.keys()):
+        path = f"{prefix}.{name}"
+        value = _read(node, name, path)
+        if isinstance(value, tuple):
+            yield value
+        elif path in SCHEMA:
+            yield from _checked(path, value)
+        elif path in _PARENTS and isinstance(value, DictConfig):
+            yield from _walk(value, path, command)
+        elif path in _PARENTS:
+            yield path, f"{path}={_show(value)} is not a group of keys; set its keys ({path}.KEY=VALUE)"
+        else:
+            yield path, unknown_key_message(path, command)
+
+
+def _read(node: DictConfig, name: str, path: str | None = None):
+    """The resolved value, or (path, message) when an interpolation or a ??? cannot be resolved."""
+    path = path or name
+    try:
+        value = node[name]
+        if isinstance(value, (DictConfig, ListConfig)) and not (path in _PARENTS or path in GROUPS):
+            value = OmegaConf.to_container(value, resolve=True)
+        return value
+    except OmegaConfBaseException as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return path, f"{path} cannot be resolved ({reason}); set it: {path}=VALUE"
+
+
+def _checked(key: str, value):
+    message = check_value(key, value, SCHEMA[key])
+    if message:
+        yield key, message
+
+
+def check_value(key: str, value, rule: Rule) -> str | None:
+    """None if `value` is allowed for `key`, else one line: key=value, what is wrong, what to use."""
+    shown = f"{key}={_show(value)}"
+    allowed = describe(rule)
+    if value is None:
+        return None if rule.nullable else f"{shown} is not allowed; use {allowed}"
+    if rule.kind == "int" and any(_same(value, c) for c in rule.choices):
+        return None
+    if rule.kind == "int":
+        if not _is_int(value):
+            return f"{shown} is not an integer; use {allowed}"
+        return None if _in_range(value, rule) else f"{shown} is out of range; use {allowed}"
+    if rule.kind == "float":
+        if not _is_number(value):
+            return f"{shown} is not a number; use {allowed}"
+        if not math.isfinite(value):
+            return f"{shown} is not a finite number; use {allowed}"
+        return None if _in_range(value, rule) else f"{shown} is out of range; use {allowed}"
+    if rule.kind == "bool":
+        return None if isinstance(value, bool) else f"{shown} is not true or false; use {allowed}"
+    if rule.kind == "text":
+        if not isinstance(value, str):
+            return f"{shown} is not text; quote it ({key}='{_show(value)}')"
+        return None if value or rule.empty else f"{key} is empty; use {allowed}"
+    if rule.kind == "enum":
+        return None if any(_same(value, c) for c in rule.choices) else f"{shown} is unknown; use {allowed}"
+    if rule.kind == "scheduler":
+        return _check_scheduler(key, value)
+    if rule.kind == "int_list":
+        if not isinstance(value, list) or not all(_is_int(v) and _in_range(v, rule) for v in value):
+            return f"{shown} is not a list of token ids; use {allowed}"
+        return None
+    if rule.kind == "enum_list":
+        if not isinstance(value, list):
+            return f"{shown} is not a list; use {allowed}"
+        bad = [v for v in value if not any(_same(v, c) for c in rule.choices)]
+        return f"{key}: {', '.join(map(_show, bad))} is unknown; use {allowed}" if bad else None
+    if rule.kind == "modules":
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            return f"{shown} is not a module name or a list of them; use {allowed}"
+        return None
+    if rule.kind == "mapping":
+        if not isinstance(value, dict) or not value:
+            return f"{shown} is not a mapping of names to directories; use {allowed}"
+        bad = [k for k, v in value.items() if not isinstance(v, str) or not v]
+        return f"{key}.{bad[0]}={_show(value[bad[0]])} is not a directory; use {allowed}" if bad else None
+    raise AssertionError(f"schema: unknown rule kind {rule.kind!r} for {key}")
+
+
+def describe(rule: Rule) -> str:
+    """What a rule accepts, in words: `a whole number ≥ 1`, `a number in [0, 1)`, `one of k1, k3, mse`."""
+    if rule.kind == "int":
+        also = [_show(c) for c in rule.choices]
+        base = f"a whole number {_range(rule)}".rstrip()
+        text_ = " or ".join([*also, base]) if also else base
+    elif rule.kind == "float":
+        text_ = f"a number {_range(rule)}".rstrip()
+    elif rule.kind == "bool":
+        text_ = "true or false"
+    elif rule.kind == "text":
+        text_ = "a non-empty text" if not rule.empty else "a text"
+    elif rule.kind == "enum":
+        names = [_show(c) for c in rule.choices] + (["null"] if rule.nullable else [])
+        return " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
+    elif rule.kind == "scheduler":
+        text_ = "one of " + ", ".join(SCHEDULERS)
+    elif rule.kind == "int_list":
+        text_ = "a list of token ids, e.g. [151643, 151645], or []"
+    elif rule.kind == "enum_list":
+        text_ = "a list of " + ", ".join(_show(c) for c in rule.choices)
+    elif rule.kind == "modules":
+        text_ = "a module name (all-linear) or a list such as [q_proj, v_proj]"
+    elif rule.kind == "mapping":
+        text_ = "NAME: DIRECTORY entries (eval.policies.NAME=DIR)"
+    else:
+        text_ = rule.kind
+    return text_ + (", or null" if rule.nullable else "")
+
+
+def _check_scheduler(key: str, value) -> str | None:
+    if isinstance(value, str) and value in SCHEDULERS:
+        return None
+    allowed = ", ".join(SCHEDULERS)
+    if isinstance(value, str) and value in SCHEDULERS_NOT_RUN:
+        return (f"{key}={value} needs a metric or scheduler arguments that rlhf does not pass; use one of "
+                f"{allowed}")
+    return f"{key}={_show(value)} is unknown; use one of {allowed}"
+
+
+def scheduler_types() -> tuple[str, ...]:
+    """transformers' SchedulerType names. Importing transformers takes seconds (it imports torch), so the
+    lists above are written out and checked against this by the tests, not at run time."""
+    from transformers.trainer_utils import SchedulerType
+
+    return tuple(s.value for s in SchedulerType)
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _same(a, b) -> bool:
+    """Equal and of the same type: True is not 1, and "1" is not 1."""
+    return type(a) is type(b) and a == b
+
+
+def _in_range(v, rule: Rule) -> bool:
+    if rule.lo is not None and (v < rule.lo or (rule.lo_open and v == rule.lo)):
+        return False
+    return not (rule.hi is not None and (v > rule.hi or (rule.hi_open and v == rule.hi)))
+
+
+def _range(rule: Rule) -> str:
+    lo, hi = rule.lo, rule.hi
+    if lo is not None and hi is not None:
+        return f"in {'(' if rule.lo_open else '['}{_show(lo)}, {_show(hi)}{')' if rule.hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if rule.lo_open else '≥'} {_show(lo)}"
+    if hi is not None:
+        return f"{'<' if rule.hi_open else '≤'} {_show(hi)}"
+    return ""
+
+
+def _show(v) -> str:
+    """A value as the user would type it on the command line."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_show(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, str) and not v:
+        return "''"
+    return str(v)

@@ -1,0 +1,135 @@
+"""Bad keys and values through the real `rlhf` command, one row per case: each must end with a non-zero exit
+and a single error line that names the key (and the value and what is allowed), without a traceback. Config
+errors fail at validation, before any model is built or any stage directory is made: about a second a row.
+
+Adding a case is adding a row to CASES: `Case("<rlhf arguments>", "<text of the error line>")`, with
+`files=(("name", "contents"),)` for input files written into the (empty) working directory first,
+`{tiny_base}` in the arguments for a prebuilt tiny base model, and `early=False` for a failure that comes
+after models load.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass(frozen=True)
+class Case:
+    args: str                               # what follows `rlhf`, split as a shell would
+    needle: str                             # text the one error line contains
+    files: tuple[tuple[str, str], ...] = ()  # (name, contents) written into the working directory first
+    rc: int = 2                             # RlhfError's exit status
+    early: bool = True                      # fails before any model or stage output is made
+
+
+CASES = [
+    # sft: trainer sizes and rates, unknown keys in both override forms
+    Case("sft sft.learning_rate=nan", "sft.learning_rate=nan is not a finite number; use a number > 0"),
+    Case("sft sft.per_device_train_batch_size=0", "sft.per_device_train_batch_size=0 is out of range"),
+    Case("sft sft.gradient_accumulation_steps=0", "sft.gradient_accumulation_steps=0 is out of range"),
+    Case("sft sft.max_steps=0", "sft.max_steps=0 is out of range; use -1 or a whole number ≥ 1"),
+    Case("sft sft.max_steps=ten", "sft.max_steps=ten is not an integer"),
+    Case("sft +sft.max_step=2", "sft.max_step is not a config key; did you mean sft.max_steps?"),
+    Case("sft sft.max_step=2", "sft.max_step is not a config key; did you mean sft.max_steps?"),
+    Case("sft sft.warmup_ratio=1.5", "sft.warmup_ratio=1.5 is out of range; use a number in [0, 1)"),
+    Case("sft sft.lora.dropout=1.0", "sft.lora.dropout=1.0 is out of range; use a number in [0, 1)"),
+    Case("sft sft.lora.r=0", "sft.lora.r=0 is out of range"),
+    Case("sft sft.activation_checkpointing=maybe", "sft.activation_checkpointing=maybe is not true or false"),
+    Case("sft sft.lr_scheduler_type=cosinus", "sft.lr_scheduler_type=cosinus is unknown"),
+    Case("sft sft.lr_scheduler_type=warmup_stable_decay", "sft.lr_scheduler_type=warmup_stable_decay needs"),
+    Case("sft seed=abc", "seed=abc is not an integer; use a whole number ≥ 0"),
+    # data and model
+    Case("sft data.eval_ratio=1", "data.eval_ratio=1 is out of range; use a number in [0, 1)"),
+    Case("sft data.format=csv", "data.format=csv is unknown; use one of auto, seed, prompt"),
+    Case("sft data.max_prompt_length=-5", "data.max_prompt_length=-5 is out of range"),
+    Case("sft data.ground_truth=polite", "data.ground_truth=polite is unknown; use demo_polite or null"),
+    Case("sft model.dtype=float64", "model.dtype=float64 is unknown; use one of auto"),
+    Case("sft model.hub=github", "model.hub=github is unknown; use modelscope or hf"),
+    Case("sft model.tiny.vocab_size=100", "model.tiny.vocab_size=100 is out of range; use a whole number ≥"),
+    # device
+    Case("sft device.mixed_precision=fp8", "device.mixed_precision=fp8 is unknown"),
+    Case("sft device.threads=-1", "device.threads=-1 is out of range; use a whole number ≥ 0"),
+    Case("sft device.num_processes=two", "device.num_processes=two is not an integer; use auto"),
+    Case("sft device.zero_stage=4", "device.zero_stage=4 is out of range; use a whole number in [0, 3]"),
+    Case("sft device.main_process_port=70000", "device.main_process_port=70000 is out of range"),
+    Case("sft device.fsdp.version=3", "device.fsdp.version=3 is out of range"),
+    Case("sft device.collective_timeout_s=0", "device.collective_timeout_s=0 is out of range"),
+    # reward
+    Case("reward reward.learning_rate=0", "reward.learning_rate=0 is out of range; use a number > 0"),
+    Case("reward reward.center_rewards_coefficient=-1", "reward.center_rewards_coefficient=-1 is out"),
+    Case("reward reward.max_length=0", "reward.max_length=0 is out of range"),
+    Case("reward +reward.lora.r=4", "reward.lora.r is not a config key"),
+    # ppo
+    Case("ppo ppo.total_episodes=abc", "ppo.total_episodes=abc is not an integer; use a whole number ≥ 1"),
+    Case("ppo ppo.num_mini_batches=0", "ppo.num_mini_batches=0 is out of range"),
+    Case("ppo ppo.kl_estimator=k2", "ppo.kl_estimator=k2 is unknown; use one of k1, k3, abs, mse"),
+    Case("ppo ppo.stop_token=eot", "ppo.stop_token=eot is unknown; use eos or null"),
+    Case("ppo ppo.recompute_logprobs=sometimes", "ppo.recompute_logprobs=sometimes is unknown"),
+    Case("ppo ppo.temperature=0", "ppo.temperature=0 is out of range; use a number > 0"),
+    Case("ppo ppo.top_p=1.5", "ppo.top_p=1.5 is out of range; use a number in (0, 1]"),
+    Case("ppo ppo.gamma=1.1", "ppo.gamma=1.1 is out of range; use a number in [0, 1]"),
+    Case("ppo ppo.cliprange=inf", "ppo.cliprange=inf is not a finite number"),
+    Case("ppo ppo.value_learning_rate=-1e-4", "ppo.value_learning_rate=-0.0001 is out of range"),
+    Case("ppo ppo.first_update_kl_tolerance=0", "ppo.first_update_kl_tolerance=0 is out of range"),
+    Case("ppo ppo.stop_token_ids=[1,x]", "ppo.stop_token_ids=[1, x] is not a list of token ids"),
+    Case("ppo ppo.lora.target_modules=[]", "ppo.lora.target_modules=[] is not a module name"),
+    Case("ppo +ppo.target_kl_value=3", "ppo.target_kl_value is now ppo.adaptive_kl_target"),
+    Case("ppo +ppo.lora.dropout=0.1", "ppo.lora.dropout is not a config key any more"),
+    # eval
+    Case("eval eval.num_prompts=0", "eval.num_prompts=0 is out of range"),
+    Case("eval eval.batch_size=abc", "eval.batch_size=abc is not an integer"),
+    Case("eval eval.policies=null", "eval.policies=null is not allowed"),
+    Case("eval eval.greedy=2", "eval.greedy=2 is not true or false"),
+    # chat
+    Case("chat chat.max_new_tokens=0", "chat.max_new_tokens=0 is out of range"),
+    Case("chat chat.top_k=-1", "chat.top_k=-1 is out of range; use a whole number ≥ 0"),
+    Case("chat chat.temperature=-0.7", "chat.temperature=-0.7 is out of range; use a number > 0"),
+    Case("chat +chat.tempreature=1", "chat.tempreature is not a config key; did you mean chat.temperature"),
+    # doctor and export
+    Case("doctor doctor.stages=[sft,rlhf]", "doctor.stages: rlhf is unknown; use a list of sft"),
+    Case("doctor doctor.timeout_s=0", "doctor.timeout_s=0 is out of range; use a number > 0"),
+    Case("doctor doctor.memory_gib=-4", "doctor.memory_gib=-4 is out of range; use a number > 0, or null"),
+    Case("export +export.dir=out", "export.dir is not a config key; export has output_dir"),
+    Case("export export.output_dir=", "export.output_dir is empty"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """The embedded tiny base model, built once, for cases that get past validation (`{tiny_base}`)."""
+    from rlhf_cli.tiny import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("tiny") / "base")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.args for c in CASES])
+def test_bad_input_fails_with_one_line_naming_it(case, run_cli, tmp_path, request):
+    for name, contents in case.files:
+        (tmp_path / name).write_text(contents, encoding="utf-8")
+    args = case.args
+    if "{tiny_base}" in args:
+        args = args.replace("{tiny_base}", str(request.getfixturevalue("tiny_base")))
+    argv = shlex.split(args)
+    rc, out, err = run_cli(*argv)
+
+    assert rc == case.rc, (rc, out, err)
+    assert "Traceback" not in out + err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert errors[0].startswith(f"rlhf {argv[0]}: error: "), err
+    assert case.needle in errors[0], (case.needle, errors[0])
+    if case.early:
+        assert lines == errors, err  # nothing else was printed on the way
+        made = [p for p in tmp_path.glob("runs/*/*") if p.name != "logs"]  # logs/: Hydra's, before the check
+        assert not made, made
+
+
+def test_cases_cover_every_command():
+    from rlhf_cli.config import COMMANDS
+
+    assert {c.args.split()[0] for c in CASES} == set(COMMANDS)
+    assert len({c.args for c in CASES}) == len(CASES)
