@@ -4,8 +4,9 @@ The model is `AutoModelForSequenceClassification(num_labels=1)` initialised from
 on exactly the token sequences PPO will score: the rendered prompt (chat template + assistant header) followed
 by the answer and EOS, so the score is read at the EOS token in both places.
 
-Writes `reward.output_dir`: the model + tokenizer, score_stats.json (mean/std of its scores over training
-answers, for PPO's score normalisation), metrics.json (held-out accuracy and margin), TensorBoard events.
+Writes `reward.output_dir`: the model (fp32) + tokenizer, score_stats.json (mean/std of its scores over training
+answers, for PPO's score normalisation), metrics.json (held-out accuracy and margin), TensorBoard events. A
+non-finite loss, gradient norm, eval metric, weight or score statistic stops the run and writes nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,7 +22,16 @@ from rlhf_cli import data as D
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
-from rlhf_cli.stages._common import save_trained, train_dtype, trainer_kwargs
+from rlhf_cli.stages._common import (
+    final_eval,
+    require_examples,
+    require_finite,
+    require_finite_weights,
+    save_trained,
+    trainer_kwargs,
+    training_console,
+    training_precision,
+)
 
 log = logging.getLogger("rlhf")
 
@@ -44,8 +55,9 @@ def score_texts(model, tok, texts: list[str], batch_size: int = 64) -> torch.Ten
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def run(cfg) -> None:
-    setup_torch(cfg)
+def build_trainer(cfg, out: Path):
+    """The stage's RewardTrainer writing into `out`, not yet trained, and (init model dir, train pairs, eval
+    pairs). Every weight is trained, so it loads in fp32 and computes under autocast (`training_precision`)."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
@@ -57,45 +69,59 @@ def run(cfg) -> None:
     tok = load_tokenizer(init, cfg.model)
     thinking = bool(cfg.model.enable_thinking)
     templ = bool(cfg.data.chat_template)
+    max_prompt = int(cfg.data.max_prompt_length)
     train, evals = D.load_examples(cfg.data, need_rejected=True)
-    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking, templ)
-    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking, templ)
+    train = D.filter_long_prompts(train, tok, max_prompt, str(cfg.data.train_path), thinking, templ)
+    evals = D.filter_long_prompts(evals, tok, max_prompt, "eval split", thinking, templ)
     train_rows, eval_rows = pair_rows(train, tok, thinking, templ), pair_rows(evals, tok, thinking, templ)
 
-    dtype, precision = train_dtype(cfg)
+    dtype, precision = training_precision(cfg)
     model = load_seq_cls(init, tok, dtype, cfg.model)
+    args = RewardConfig(**trainer_kwargs(r, cfg, out, precision, len(train_rows)),
+                        center_rewards_coefficient=r.center_rewards_coefficient, disable_dropout=True)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
+                            eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+                            processing_class=tok)
+    # trl drops pairs longer than max_length
+    for kind, rows, ds in (("training", train_rows, trainer.train_dataset), ("eval", eval_rows, trainer.eval_dataset)):
+        require_examples("reward", kind, len(ds) if ds is not None else 0, len(rows), int(r.max_length), max_prompt)
+    return trainer, init, train_rows, len(trainer.eval_dataset) if eval_rows else 0
+
+
+def run(cfg) -> None:
+    setup_torch(cfg)
+    r = cfg.reward
+    lr = float(r.learning_rate)
     with atomic_dir(r.output_dir) as out:
-        args = RewardConfig(**trainer_kwargs(r, cfg, out, precision, len(train_rows)),
-                            center_rewards_coefficient=r.center_rewards_coefficient, disable_dropout=True)
-        trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
-                                eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
-                                processing_class=tok)
-        dropped = len(train_rows) - len(trainer.train_dataset)
-        if dropped:
-            log.warning("reward: dropped %d of %d training pairs longer than reward.max_length=%d tokens",
-                        dropped, len(train_rows), r.max_length)
-        t0 = time.perf_counter()
-        result = trainer.train()
-        seconds = time.perf_counter() - t0
-        ev = trainer.evaluate() if eval_rows else {}
+        trainer, init, train_rows, n_eval = build_trainer(cfg, out)
+        tok = trainer.processing_class
+        with training_console(trainer, "reward", lr):
+            t0 = time.perf_counter()
+            result = trainer.train()
+            seconds = time.perf_counter() - t0
+            ev = final_eval(trainer) if n_eval else {}
+        step = result.global_step
+        require_finite("reward", ev, "metric", lr, step)
         model = trainer.model
+        require_finite_weights(model, "reward", lr, step)
         # Score statistics over training answers (both sides), for PPO's (score - mean) / std. Every process
         # scores the same texts: with sharded weights (ZeRO-3, FSDP) each forward pass is a collective.
         sample = train_rows[:1024]
         texts = [row["prompt"] + ans + tok.eos_token for row in sample for ans in (row["chosen"], row["rejected"])]
         scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size))
         stats = {"mean": scores.mean().item(), "std": max(scores.std().item(), 1e-6), "n": len(texts)}
+        require_finite("reward", stats, "score", lr, step)
         save_trained(trainer, model, tok, out, cfg.device)
         if trainer.is_world_process_zero():
             write_json(out / "score_stats.json", stats)
             metrics = {"eval_accuracy": ev.get("eval_accuracy"), "eval_margin": ev.get("eval_margin"),
                        "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss,
-                       "steps": result.global_step, "train_pairs": len(trainer.train_dataset),
-                       "eval_pairs": len(eval_rows), "train_seconds": round(seconds, 2), "init_from": str(init),
+                       "steps": step, "train_pairs": len(trainer.train_dataset),
+                       "eval_pairs": n_eval, "train_seconds": round(seconds, 2), "init_from": str(init),
                        "score_mean": stats["mean"], "score_std": stats["std"]}
             write_json(out / "metrics.json", metrics)
     acc, margin = ev.get("eval_accuracy"), ev.get("eval_margin")
-    msg = (f"reward: held-out accuracy {acc:.3f}, margin {margin:.2f} on {len(eval_rows)} pairs"
+    msg = (f"reward: held-out accuracy {acc:.3f}, margin {margin:.2f} on {n_eval} pairs"
            if acc is not None and not math.isnan(acc) else "reward: no eval split")
-    log.info("%s; %d steps in %.1f s; wrote %s", msg, result.global_step, seconds, r.output_dir)
+    log.info("%s; %d steps in %.1f s; wrote %s", msg, step, seconds, r.output_dir)
     print(msg)

@@ -1,18 +1,37 @@
 """`rlhf sft`: supervised fine-tuning with trl's SFTTrainer, loss on the answer tokens only.
 
-Writes `sft.output_dir`: a plain `AutoModelForCausalLM` directory (a LoRA adapter, if trained, is merged) with
-the tokenizer, TensorBoard events under tensorboard/, and metrics.json (eval loss before and after).
+Writes `sft.output_dir`: a plain `AutoModelForCausalLM` directory in fp32 (the trained master weights; a LoRA
+adapter, if trained, is merged) with the tokenizer, TensorBoard events under tensorboard/, and metrics.json (eval
+loss before and after). A non-finite loss, gradient norm, eval loss or weight stops the run and writes nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+
+import torch
 
 from rlhf_cli import data as D
 from rlhf_cli.io import atomic_dir, write_json
-from rlhf_cli.models import base_model_dir, load_causal_lm, load_tokenizer, lora_config, setup_torch
-from rlhf_cli.stages._common import save_trained, train_dtype, trainer_kwargs
+from rlhf_cli.models import (
+    base_model_dir,
+    load_causal_lm,
+    load_tokenizer,
+    lora_config,
+    merge_lora,
+    setup_torch,
+)
+from rlhf_cli.stages._common import (
+    final_eval,
+    require_examples,
+    require_finite_weights,
+    save_trained,
+    trainer_kwargs,
+    training_console,
+    training_precision,
+)
 
 log = logging.getLogger("rlhf")
 
@@ -34,8 +53,11 @@ def sft_rows(examples: list[D.Example], on_rejected: bool, enable_thinking: bool
     return rows
 
 
-def run(cfg) -> None:
-    setup_torch(cfg)
+def build_trainer(cfg, out: Path):
+    """The stage's SFTTrainer writing into `out`, not yet trained, and (base model dir, train rows, eval rows).
+
+    Weights: a full fine-tune trains fp32 weights under autocast; with LoRA the frozen base is stored in
+    `model.dtype` and the adapters in fp32 (`training_precision`)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -44,33 +66,49 @@ def run(cfg) -> None:
     tok = load_tokenizer(base, cfg.model)
     thinking = bool(cfg.model.enable_thinking)
     templ = bool(cfg.data.chat_template)
+    max_prompt = int(cfg.data.max_prompt_length)
     train, evals = D.load_examples(cfg.data, need_rejected=bool(cfg.data.sft_on_rejected))
-    train = D.filter_long_prompts(train, tok, int(cfg.data.max_prompt_length), str(cfg.data.train_path), thinking, templ)
-    evals = D.filter_long_prompts(evals, tok, int(cfg.data.max_prompt_length), "eval split", thinking, templ)
+    train = D.filter_long_prompts(train, tok, max_prompt, str(cfg.data.train_path), thinking, templ)
+    evals = D.filter_long_prompts(evals, tok, max_prompt, "eval split", thinking, templ)
     train_rows = sft_rows(train, bool(cfg.data.sft_on_rejected), thinking, tok, templ)
     eval_rows = sft_rows(evals, bool(cfg.data.sft_on_rejected), thinking, tok, templ)
 
-    dtype, precision = train_dtype(cfg)
+    lora = bool(s.lora.enabled)
+    dtype, precision = training_precision(cfg, adapters=lora)
     model = load_causal_lm(base, dtype, cfg.model)
-    peft_config = lora_config(s.lora, "CAUSAL_LM") if s.lora.enabled else None
+    args = SFTConfig(**trainer_kwargs(s, cfg, out, precision, len(train_rows)),
+                     completion_only_loss=True, packing=False, dataset_num_proc=None)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
+                         eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+                         processing_class=tok, peft_config=lora_config(s.lora, "CAUSAL_LM") if lora else None)
+    # trl drops examples whose prompt fills max_length (no answer token left to learn from)
+    for kind, rows, ds in (("training", train_rows, trainer.train_dataset), ("eval", eval_rows, trainer.eval_dataset)):
+        require_examples("sft", kind, len(ds) if ds is not None else 0, len(rows), int(s.max_length), max_prompt)
+    return trainer, base, len(trainer.train_dataset), len(trainer.eval_dataset) if eval_rows else 0
+
+
+def run(cfg) -> None:
+    setup_torch(cfg)
+    s = cfg.sft
+    lr = float(s.learning_rate)
     with atomic_dir(s.output_dir) as out:
-        args = SFTConfig(**trainer_kwargs(s, cfg, out, precision, len(train_rows)),
-                         completion_only_loss=True, packing=False, dataset_num_proc=None)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
-                             eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
-                             processing_class=tok, peft_config=peft_config)
-        start = trainer.evaluate()["eval_loss"] if eval_rows else None
-        t0 = time.perf_counter()
-        result = trainer.train()
-        seconds = time.perf_counter() - t0
-        end = trainer.evaluate()["eval_loss"] if eval_rows else None
+        trainer, base, n_train, n_eval = build_trainer(cfg, out)
+        tok = trainer.processing_class
+        with training_console(trainer, "sft", lr):
+            start = trainer.evaluate()["eval_loss"] if n_eval else None
+            t0 = time.perf_counter()
+            result = trainer.train()
+            seconds = time.perf_counter() - t0
+            end = final_eval(trainer)["eval_loss"] if n_eval else None
         model = trainer.model
-        if peft_config is not None:
-            model = model.merge_and_unload()
+        require_finite_weights(model, "sft", lr, result.global_step)
+        if bool(s.lora.enabled):
+            # merged in fp32: a bf16 base would round the adapter's small changes away
+            model = merge_lora(model.to(torch.float32))
         save_trained(trainer, model, tok, out, cfg.device)
         if trainer.is_world_process_zero():
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
-                       "steps": result.global_step, "train_rows": len(train_rows), "eval_rows": len(eval_rows),
+                       "steps": result.global_step, "train_rows": n_train, "eval_rows": n_eval,
                        "train_seconds": round(seconds, 2), "base_model": str(base)}
             write_json(out / "metrics.json", metrics)
     log.info("sft: eval loss %s -> %s in %d steps (%.1f s); wrote %s",
