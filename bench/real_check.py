@@ -72,7 +72,7 @@ def doctor_plans(ov: list[str]) -> dict[str, float]:
 
     cfg = compose("doctor", ov)
     arch = memory.arch_for_model(cfg.model)[0]
-    return {st: memory.plan_stage(cfg, st, arch).total / 1024 ** 3 for st in ("sft", "reward", "ppo")}
+    return {st: memory.plan_stage(cfg, st, arch).peak / 1024 ** 3 for st in ("sft", "reward", "ppo")}
 
 
 def changed_share(run_dir: Path) -> dict[str, float]:
@@ -106,20 +106,21 @@ def main(argv=None) -> int:
     test_rows = (REPO / "rlhf_cli/demo/data/polite_test.jsonl").read_text(encoding="utf-8").splitlines()[:8]
     eval_file.write_text("\n".join(test_rows) + "\n", encoding="utf-8")
     ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length)
-    plans = doctor_plans(ov)
     stages = [("sft", []), ("reward", []), ("ppo", []), ("eval", []), ("export", []),
               ("chat", ["prompt=hello", "chat.model_dir=" + str(run_dir / "ppo"), "chat.max_new_tokens=8"])]
     rows = []
     for stage, extra in stages:
         rc, wall, rss = run_stage([stage, *ov, *extra], run_dir / f"{stage}.log")
-        plan = plans.get(stage)
-        rows.append({"stage": stage, "rc": rc, "wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2),
-                     "plan_gib": round(plan, 2) if plan else None,
-                     "rss_vs_plan": round(rss / plan, 3) if plan else None})
+        rows.append({"stage": stage, "rc": rc, "wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2)})
         print(json.dumps(rows[-1]), flush=True)
         if rc != 0:
             print(f"{stage} failed: see {run_dir / (stage + '.log')}", file=sys.stderr)
             break
+    plans = doctor_plans(ov)  # after the stages: the doctor reads the data's lengths with the built tokenizer
+    for r in rows:
+        plan = plans.get(r["stage"])
+        r["plan_gib"] = round(plan, 2) if plan else None
+        r["rss_vs_plan"] = round(r["peak_rss_gib"] / plan, 3) if plan else None
     result = {"precision": a.precision, "device": a.device, "threads": a.threads, "stages": rows}
     if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages):
         result["eval"] = json.loads((run_dir / "eval" / "report.json").read_text())["policies"]
