@@ -8,7 +8,7 @@ RECIPE ?= tiny
 ARGS ?=
 RLHF := $(BIN)/rlhf
 
-.PHONY: help install sft reward ppo eval chain chat test test-fast bench clean
+.PHONY: help install sft reward ppo eval chain chat test test-fast bench real-check gpu-check clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -54,6 +54,12 @@ test-fast: install ## unit tests only
 
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
 	$(BIN)/python bench/run.py
+
+real-check: install ## the qwen3-0.6b recipe on Qwen3-0.6B's exact shape (random weights), bf16, CPU: every stage (~10 min)
+	$(BIN)/python bench/real_check.py $(ARGS)
+
+gpu-check: ## the same chain on one GPU with the recipe's own batches: per-phase tokens/s and GPU memory
+	bash bench/gpu_check.sh
 
 clean: ## remove runs/ (checkpoints) but keep .venv
 	rm -rf runs

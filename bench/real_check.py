@@ -36,21 +36,25 @@ ARCH = ["model.name_or_path=tiny", "model.tiny.hidden_size=1024", "model.tiny.in
 
 
 def overrides(run_dir: Path, eval_file: Path, precision: str, device: str, threads: int,
-              response_length: int) -> list[str]:
+              response_length: int, recipe_batches: bool = False) -> list[str]:
+    """The recipe with small batches (CPU), or with its own batch sizes and 2 PPO updates (`recipe_batches`)."""
     prec = {"bf16": ["model.dtype=bfloat16", "device.mixed_precision=bf16"],
             "fp32": ["model.dtype=float32", "device.mixed_precision=no"]}[precision]
     dev = ["device=cpu", f"device.threads={threads}"] if device == "cpu" else ["device=cuda"]
-    return ["recipe=qwen3-0.6b", f"run_dir={run_dir}", *ARCH, *prec, *dev,
-            "data=demo", "data.ground_truth=demo_polite", f"data.eval_path={eval_file}", "data.max_rows=64",
-            "sft.max_steps=2", "sft.per_device_train_batch_size=2", "sft.gradient_accumulation_steps=1",
+    common = ["recipe=qwen3-0.6b", f"run_dir={run_dir}", *ARCH, *prec, *dev, "data=demo",
+              "data.ground_truth=demo_polite", f"data.eval_path={eval_file}", "sft.max_steps=2", "reward.max_steps=2",
+              f"ppo.response_length={response_length}", "ppo.save_every=1", "eval.num_prompts=4"]
+    if recipe_batches:  # the recipe's own per-device batches: 32 episodes per update, 2 updates
+        return [*common, "data.max_rows=256", "ppo.total_episodes=64"]
+    return [*common, "data.max_rows=64",
+            "sft.per_device_train_batch_size=2", "sft.gradient_accumulation_steps=1",
             "sft.per_device_eval_batch_size=4", "sft.eval_steps=100", "sft.logging_steps=1", "sft.max_length=128",
-            "reward.max_steps=2", "reward.per_device_train_batch_size=2", "reward.gradient_accumulation_steps=1",
+            "reward.per_device_train_batch_size=2", "reward.gradient_accumulation_steps=1",
             "reward.per_device_eval_batch_size=4", "reward.eval_steps=100", "reward.logging_steps=1",
             "reward.max_length=128",
             "ppo.total_episodes=4", "ppo.per_device_train_batch_size=2", "ppo.gradient_accumulation_steps=1",
-            "ppo.num_mini_batches=1", "ppo.rollout_forward_batch_size=2", f"ppo.response_length={response_length}",
-            "ppo.save_every=1", "ppo.learning_rate=1e-5",
-            "eval.num_prompts=4", "eval.batch_size=2"]
+            "ppo.num_mini_batches=1", "ppo.rollout_forward_batch_size=2", "ppo.learning_rate=1e-5",
+            "eval.batch_size=2"]
 
 
 def run_stage(args: list[str], log: Path) -> tuple[int, float, float]:
@@ -92,6 +96,21 @@ def changed_share(run_dir: Path) -> dict[str, float]:
     return shares
 
 
+def ppo_phases(m: dict, plan_gib: float) -> dict:
+    """Per phase of the last PPO update: seconds and response tokens/s (generation, scoring, training), episodes/s,
+    peak GPU memory beside the doctor's plan."""
+    episodes = m["total_episodes"] / m["updates"]
+    tokens = episodes * m["response/length_mean"]
+    phases = {k: m.get(f"time/{k}_s") for k in ("generate", "score", "train")}
+    out = {f"{k}_s": round(v, 3) for k, v in phases.items() if v}
+    out.update({f"{k}_tokens_per_s": round(tokens / v, 1) for k, v in phases.items() if v})
+    out["episodes_per_s"] = round(m["eps"], 3)
+    if "memory/peak_gib" in m:
+        out["gpu_peak_gib"] = round(m["memory/peak_gib"], 2)
+        out["doctor_plan_gib"] = round(plan_gib, 2)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", default=str(REPO / "runs" / "real-check"))
@@ -99,13 +118,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--response-length", type=int, default=16)
+    ap.add_argument("--recipe-batches", action="store_true",
+                    help="the recipe's own batch sizes (32 episodes per PPO update) instead of batches of 2")
     a = ap.parse_args(argv)
     run_dir = Path(a.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     eval_file = run_dir / "eval_prompts.jsonl"
     test_rows = (REPO / "rlhf_cli/demo/data/polite_test.jsonl").read_text(encoding="utf-8").splitlines()[:8]
     eval_file.write_text("\n".join(test_rows) + "\n", encoding="utf-8")
-    ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length)
+    ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length, a.recipe_batches)
     stages = [("sft", []), ("reward", []), ("ppo", []), ("eval", []), ("export", []),
               ("chat", ["prompt=hello", "chat.model_dir=" + str(run_dir / "ppo"), "chat.max_new_tokens=8"])]
     rows = []
@@ -125,7 +146,9 @@ def main(argv=None) -> int:
     if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages):
         result["eval"] = json.loads((run_dir / "eval" / "report.json").read_text())["policies"]
         result["changed_in_last_update"] = changed_share(run_dir)
-        result["ppo_metrics"] = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+        m = result["ppo_metrics"] = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+        result["ppo_phases"] = ppo_phases(m, plans["ppo"])
+        print(json.dumps(result["ppo_phases"]))
         print(json.dumps({k: result[k] for k in ("changed_in_last_update", "eval")}))
     (run_dir / "real_check.json").write_text(json.dumps(result, indent=2) + "\n")
     print("\n| stage | exit | wall (s) | peak RSS (GiB) | doctor plan (GiB) | RSS / plan |\n|---|---|---|---|---|---|")

@@ -24,10 +24,10 @@ RLHF = Path(sys.executable).with_name("rlhf")
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """`run_cli(*args, cwd=None, timeout=120, stdin="")` -> (returncode, stdout, stderr) of the real `rlhf`
+    """`run_cli(*args, cwd=None, timeout=1500, stdin="")` -> (returncode, stdout, stderr) of the real `rlhf`
     console script, started in `cwd` (default: the test's empty tmp_path), one thread, no hub access."""
 
-    def run(*args: str, cwd: str | Path | None = None, timeout: float = 120, stdin: str = ""):
+    def run(*args: str, cwd: str | Path | None = None, timeout: float = 1500, stdin: str = ""):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         exe = [str(RLHF)] if RLHF.exists() else [sys.executable, "-m", "rlhf_cli.cli"]

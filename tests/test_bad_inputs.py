@@ -20,7 +20,7 @@ import pytest
 class Case:
     args: str                               # what follows `rlhf`, split as a shell would
     needle: str                             # text the one error line contains
-    files: tuple[tuple[str, str], ...] = ()  # (name, contents) written into the working directory first
+    files: tuple[tuple[str, str | bytes], ...] = ()  # (name, contents) written into the working directory first
     rc: int = 2                             # RlhfError's exit status
     early: bool = True                      # fails before any model or stage output is made
 
@@ -94,6 +94,21 @@ CASES = [
     Case("doctor doctor.memory_gib=-4", "doctor.memory_gib=-4 is out of range; use a number > 0, or null"),
     Case("export +export.dir=out", "export.dir is not a config key; export has output_dir"),
     Case("export export.output_dir=", "export.output_dir is empty"),
+    # files and faults: they fail after validation; the files given are byte-identical afterwards
+    Case("sft model.tiny.dir={tiny_base} sft.output_dir=mine", "mine exists and was not written by rlhf",
+         files=(("mine/notes.txt", "my own notes"),), early=False),
+    Case("sft model.tiny.dir={tiny_base} data.train_path=gbk.jsonl data.eval_path=null",
+         "gbk.jsonl: not UTF-8 (line 2); convert it, e.g. `iconv -f GBK -t UTF-8",
+         files=(("gbk.jsonl", ('{"question": "q", "chosen": "a", "rejected": "b"}\n'
+                               '{"question": "你好", "chosen": "谢谢", "rejected": "走开"}\n').encode("gbk")),),
+         early=False),
+    Case("reward reward.init_from={tiny_base} data.train_path=pairs.jsonl data.eval_path=null",
+         "pairs.jsonl: line 9 is missing required key(s) chosen, rejected",
+         files=(("pairs.jsonl", '{"question": "q", "chosen": "a", "rejected": "b"}\n' * 4 + "\n\n\n\n"
+                 + '{"question": "q"}\n'),), early=False),
+    Case("sft device=cuda model.tiny.dir={tiny_base}", "needs a CUDA GPU, but torch sees none", early=False),
+    Case("ppo ppo.resume=true ppo.policy_dir={tiny_base} ppo.reward_dir={tiny_base}",
+         "no interrupted run to resume", early=False),
 ]
 
 
@@ -108,7 +123,11 @@ def tiny_base(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[c.args for c in CASES])
 def test_bad_input_fails_with_one_line_naming_it(case, run_cli, tmp_path, request):
     for name, contents in case.files:
-        (tmp_path / name).write_text(contents, encoding="utf-8")
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(contents, bytes):
+            (tmp_path / name).write_bytes(contents)
+        else:
+            (tmp_path / name).write_text(contents, encoding="utf-8")
     args = case.args
     if "{tiny_base}" in args:
         args = args.replace("{tiny_base}", str(request.getfixturevalue("tiny_base")))
@@ -122,6 +141,9 @@ def test_bad_input_fails_with_one_line_naming_it(case, run_cli, tmp_path, reques
     assert len(errors) == 1 and lines[-1] == errors[0], err
     assert errors[0].startswith(f"rlhf {argv[0]}: error: "), err
     assert case.needle in errors[0], (case.needle, errors[0])
+    for name, contents in case.files:  # inputs and earlier outputs are left as they were
+        data = contents if isinstance(contents, bytes) else contents.encode("utf-8")
+        assert (tmp_path / name).read_bytes() == data, name
     if case.early:
         assert lines == errors, err  # nothing else was printed on the way
         made = [p for p in tmp_path.glob("runs/*/*") if p.name != "logs"]  # logs/: Hydra's, before the check

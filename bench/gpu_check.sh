@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The real recipe on one GPU: Qwen3-0.6B's exact architecture (random weights, no download), bf16, the qwen3-0.6b
+# recipe's own batch sizes (32 episodes per PPO update, 200-token responses, 2 updates), sft -> reward -> ppo ->
+# eval -> export -> chat. Prints per stage wall time and peak RSS, and per PPO phase (generation, scoring,
+# training) seconds and response tokens/s, episodes/s and peak GPU memory beside `rlhf doctor`'s plan.
+#
+#   bash bench/gpu_check.sh [RUN_DIR]        # ~5 min on one H100/H200-class GPU; nothing in CI needs a GPU
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${1:-runs/gpu-check}
+if [ ! -x .venv/bin/rlhf ]; then
+  python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e .   # a CUDA build of torch comes with the GPU machine's default wheel
+fi
+.venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name(0))"
+exec .venv/bin/python bench/real_check.py --device cuda --precision bf16 --recipe-batches --response-length 200 \
+  --run-dir "$RUN_DIR"
