@@ -8,7 +8,7 @@ RECIPE ?= tiny
 ARGS ?=
 RLHF := $(BIN)/rlhf
 
-.PHONY: help install sft reward ppo eval chain chat test test-fast bench real-check gpu-check clean
+.PHONY: help install sft reward ppo eval chain chat test test-fast bench real-check gpu-check dist clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -60,6 +60,9 @@ real-check: install ## the qwen3-0.6b recipe on Qwen3-0.6B's exact shape (random
 
 gpu-check: ## the same chain on one GPU with the recipe's own batches: per-phase tokens/s and GPU memory
 	bash bench/gpu_check.sh
+
+dist: install ## build the wheel into dist/ (conf/ and recipes/ inside: `pip install dist/*.whl` works anywhere)
+	$(BIN)/pip wheel --no-deps --no-build-isolation -w dist .
 
 clean: ## remove runs/ (checkpoints) but keep .venv
 	rm -rf runs

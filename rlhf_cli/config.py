@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,28 +14,223 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf_cli.errors import RlhfError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_DIR = PACKAGE_DIR.parent
-CONF_DIR = REPO_DIR / "conf"
-RECIPES_DIR = REPO_DIR / "recipes"
+
+
+def config_root(package_dir: Path = PACKAGE_DIR) -> Path:
+    """The folder that holds conf/ and recipes/. A wheel carries them as rlhf_cli/_config/ (pyproject.toml
+    maps the repository's top-level folders there when it builds), so an installed `rlhf` composes from any
+    directory; a checkout or an editable install has them at the repository root, beside the package."""
+    packaged = package_dir / "_config"
+    return packaged if (packaged / "conf" / "config.yaml").is_file() else package_dir.parent
+
+
+CONFIG_ROOT = config_root()
+CONF_DIR = CONFIG_ROOT / "conf"
+RECIPES_DIR = CONFIG_ROOT / "recipes"  # the shipped recipes; users add their own (recipe_dirs)
+RECIPES_ENV = "RLHF_RECIPES"           # more recipe folders, separated by os.pathsep
 COMMANDS = ("sft", "reward", "ppo", "eval", "chat", "export", "doctor")
+# Hydra looks a config group up under its search-path roots (<root>/recipes/NAME.yaml), which a user folder
+# of any name cannot be: a user recipe is loaded and stored in Hydra's ConfigStore as the option
+# `recipes=user/NAME`.
+USER_OPTION = "user/"
 
 log = logging.getLogger("rlhf")
 
 
 def register_resolvers() -> None:
-    """`${pkg:demo/data/x.jsonl}` -> an absolute path inside the installed package."""
+    """`${pkg:demo/data/x.jsonl}` -> an absolute path inside the installed package;
+    `${job_dir_name:N,OVERRIDES}` -> the directory name of multirun job N (conf/config.yaml,
+    hydra.sweep.subdir)."""
     if not OmegaConf.has_resolver("pkg"):
         OmegaConf.register_new_resolver("pkg", lambda rel: str(PACKAGE_DIR / rel))
+    if not OmegaConf.has_resolver("job_dir_name"):
+        OmegaConf.register_new_resolver("job_dir_name", job_dir_name)
+
+
+def job_dir_name(num, overrides: str = "", limit: int = 96) -> str:
+    """`0_sft.learning_rate=0.001`: the job number, then the swept values as Hydra writes them
+    (hydra.job.override_dirname), with path separators and other characters a file name should not carry
+    replaced by `_`. The number alone keeps names unique, so a long tail is cut."""
+    tail = re.sub(r"[^\w.,=+@-]", "_", str(overrides or ""))[:limit]
+    return f"{num}_{tail}" if tail else str(num)
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe file as the search found it. `hides`: the file of the same name further down the search path
+    that this one replaces (a shipped recipe, or one in a later user folder)."""
+
+    name: str
+    path: Path
+    shipped: bool
+    hides: Path | None = None
+
+
+def recipe_dirs() -> list[Path]:
+    """Where `recipe=NAME` is looked up, first match wins: ./recipes in the working directory, the folders in
+    $RLHF_RECIPES, then the recipes shipped with rlhf. A recipe is chosen before the config is composed, so
+    its folders cannot come from a config key. Each folder is listed once (run from the repository root,
+    ./recipes is the shipped folder)."""
+    extra = [Path(p).expanduser() for p in os.environ.get(RECIPES_ENV, "").split(os.pathsep) if p.strip()]
+    dirs, seen = [], set()
+    for d in (Path.cwd() / "recipes", *extra, RECIPES_DIR):
+        key = d.resolve()
+        if key not in seen:
+            seen.add(key)
+            dirs.append(d)
+    return dirs
+
+
+def find_recipes() -> dict[str, Recipe]:
+    """Every recipe on the search path by name (sorted), user recipes before shipped ones of the same name."""
+    shipped_dir = RECIPES_DIR.resolve()
+    found: dict[str, Recipe] = {}
+    for d in recipe_dirs():
+        shipped = d.resolve() == shipped_dir
+        for path in sorted(d.glob("*.yaml")):
+            first = found.get(path.stem)
+            if first is None:
+                found[path.stem] = Recipe(path.stem, path, shipped)
+            elif first.hides is None:
+                found[path.stem] = Recipe(first.name, first.path, first.shipped, hides=path)
+    return dict(sorted(found.items()))
 
 
 def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    return list(find_recipes())
+
+
+def recipe_summary(path: Path) -> str:
+    """The first comment line of a recipe (its one-line description), without the `# @package` header."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        s = line.strip()
+        if not s:
+            continue
+        if not s.startswith("#"):
+            break
+        s = s.lstrip("#").strip()
+        if s and not s.startswith("@package"):
+            return s
+    return ""
+
+
+def _package_header(text: str) -> str | None:
+    """The `# @package X` line of a config file's leading comments, as Hydra reads it for files."""
+    for line in text.splitlines():
+        s = line.strip()
+        if s and not s.startswith("#"):
+            return None
+        m = re.match(r"#\s*@package\s+(\S+)", s)
+        if m:
+            return m.group(1)
+    return None
+
+
+def _store_user_recipe(recipe: Recipe) -> str:
+    """Put a user recipe into Hydra's ConfigStore and return its option (`user/NAME`). A recipe sets keys of
+    every group, so one without a `# @package` header is taken as `_global_`, like the shipped ones."""
+    from hydra.core.config_store import ConfigStore
+
+    text = recipe.path.read_text(encoding="utf-8")
+    try:
+        node = OmegaConf.create(text)
+    except Exception as e:  # noqa: BLE001 - yaml and OmegaConf errors alike
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RlhfError(f"recipe {recipe.path} is not valid YAML ({reason}); fix the file") from None
+    if not isinstance(node, DictConfig):
+        raise RlhfError(f"recipe {recipe.path} is not a mapping of keys; start it from "
+                        "`rlhf recipes copy tiny NEW`")
+    ConfigStore.instance().store(group="recipes/" + USER_OPTION.rstrip("/"), name=recipe.name, node=node,
+                                 package=_package_header(text) or "_global_", provider="rlhf user recipes")
+    return USER_OPTION + recipe.name
+
+
+def default_recipe() -> str:
+    """The recipe conf/config.yaml selects when the command line names none."""
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+        if isinstance(entry, DictConfig) and "recipes" in entry:
+            return str(entry["recipes"])
+    return "tiny"
+
+
+def recipe_option(name: str, recipes: dict[str, Recipe] | None = None) -> str:
+    """`recipes=...` option for recipe NAME: the shipped file's name, or a user recipe stored for Hydra."""
+    recipes = find_recipes() if recipes is None else recipes
+    recipe = recipes.get(name)
+    if recipe is None:
+        where = ", ".join(str(d) for d in recipe_dirs())
+        raise RlhfError(f"unknown recipe '{name}': choose one of {', '.join(recipes)} (`rlhf recipes` lists "
+                        f"them; searched {where})")
+    return name if recipe.shipped else _store_user_recipe(recipe)
+
+
+RECIPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def recipe_copy_text(text: str, source: str, name: str, origin: str) -> str:
+    """A recipe file's text made into recipe `name`: the `recipe:` key renamed, and a header that says where
+    it came from and how to run it above the source's own notes (kept, they explain its choices)."""
+    lines = text.splitlines()
+    head = []
+    while lines and (lines[0].startswith("#") or not lines[0].strip()):
+        head.append(lines.pop(0))
+    package = [ln for ln in head if re.match(r"#\s*@package\s", ln.strip())] or ["# @package _global_"]
+    notes = [ln for ln in head if ln not in package]
+    while notes and not notes[-1].strip():
+        notes.pop()
+    if name == source:
+        intro = (f"# {name}: your copy of recipe {source} ({origin}), used instead of it where this folder "
+                 "is searched first")
+    else:
+        intro = f"# {name}: a copy of recipe {source} ({origin}), to edit"
+    header = [
+        *package,
+        intro,
+        f"#   rlhf sft recipe={name}          # then reward, ppo and eval with the same recipe={name}",
+        f"#   rlhf recipes show {name}        # the composed config: any key in it can be set below",
+        f"# Outputs go to runs/{name} (run_dir: runs/${{recipe}}).",
+    ]
+    if notes:
+        header += ["#", f"# Notes of {source}:", *notes]
+    body = "\n".join(lines)
+    body, n = re.subn(r"(?m)^recipe:.*$", f"recipe: {name}", body)
+    if not n:
+        body = body.rstrip("\n") + f"\n\nrecipe: {name}"
+    return "\n".join(header) + "\n" + body.rstrip("\n") + "\n"
+
+
+def copy_recipe(name: str, dest: str | None = None) -> Path:
+    """Write recipe NAME as a file to edit and return its path. DEST: a new recipe name (written to
+    ./recipes/DEST.yaml, the first folder searched) or a path ending in .yaml; default ./recipes/NAME.yaml,
+    which then replaces the shipped NAME. An existing file is never overwritten."""
+    recipes = find_recipes()
+    if name not in recipes:
+        recipe_option(name, recipes)  # the unknown-recipe error
+    source = recipes[name]
+    if dest is None or not dest.endswith(".yaml"):
+        new = name if dest is None else dest
+        target = Path("recipes") / f"{new}.yaml"
+    else:
+        target = Path(dest).expanduser()
+        new = target.stem
+    if not RECIPE_NAME.fullmatch(new):
+        raise RlhfError(f"'{new}' cannot be a recipe name: use letters, digits, '.', '_' and '-' "
+                        "(e.g. my-tiny)")
+    if target.exists():
+        raise RlhfError(f"{target} exists; choose another name (rlhf recipes copy {name} NEW_NAME) or "
+                        "delete it")
+    origin = "shipped with rlhf" if source.shipped else str(source.path)
+    text = recipe_copy_text(source.path.read_text(encoding="utf-8"), name, new, origin)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8")
+    return target
 
 
 def searchpath_override() -> str:
-    # recipes/ lives beside conf/ (a top-level folder users edit), so the repo root joins Hydra's search path
-    # and `recipes` becomes a config group of whole-chain presets.
-    return f"hydra.searchpath=[file://{REPO_DIR}]"
+    # recipes/ lives beside conf/ (a top-level folder users edit), so their common root joins Hydra's search
+    # path and `recipes` becomes a config group of whole-chain presets.
+    return f"hydra.searchpath=[file://{CONFIG_ROOT}]"
 
 
 def _quote(value: str) -> str:
@@ -59,21 +255,33 @@ def _free_text(override: str, command: str) -> str:
 
 
 def translate_overrides(command: str, overrides: list[str]) -> list[str]:
-    """User overrides -> Hydra overrides: `recipe=NAME` selects recipes/NAME.yaml; free text is quoted. Keys
-    that the config groups do not have are refused here, before Hydra (see rlhf_cli.schema)."""
+    """User overrides -> Hydra overrides: `recipe=NAME` selects NAME.yaml from the recipe search path
+    (recipe_dirs); free text is quoted. Keys that the config groups do not have are refused here, before Hydra
+    (see rlhf_cli.schema)."""
     from rlhf_cli import schema
 
     schema.check_override_keys(overrides, command)
     out = [searchpath_override(), f"command={command}"]
+    recipes = find_recipes()
+    chosen = False
     for o in overrides:
         o = _free_text(o, command)
         if o.startswith("recipe="):
-            name = o.split("=", 1)[1]
-            if name not in recipe_names():
-                raise RlhfError(f"unknown recipe '{name}': choose one of {', '.join(recipe_names())} "
-                                f"(files in {RECIPES_DIR})")
-            o = f"recipes={name}"
+            # a multirun may sweep recipes: recipe=tiny,my-tiny
+            names = o.split("=", 1)[1].split(",")
+            o = "recipes=" + ",".join(recipe_option(n.strip(), recipes) for n in names)
+            chosen = True
+        elif o.startswith("recipes="):
+            # the group itself, as processes started by `rlhf_cli.launch` get it: user options stored again
+            for option in o.split("=", 1)[1].split(","):
+                if option.strip().startswith(USER_OPTION):
+                    recipe_option(option.strip()[len(USER_OPTION):], recipes)
+            chosen = True
         out.append(o)
+    if not chosen:
+        default = default_recipe()
+        if default in recipes and not recipes[default].shipped:
+            out.insert(2, f"recipes={recipe_option(default, recipes)}")  # ./recipes/tiny.yaml replaces tiny
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import pytest
 from hydra.errors import HydraException
@@ -437,3 +438,143 @@ def test_require_dir_names_the_producing_command(tmp_path):
         require_dir(tmp_path / "d", "SFT model", "rlhf sft", marker="config.json")
     (tmp_path / "d" / "config.json").write_text("{}")
     assert require_dir(tmp_path / "d", "SFT model", "rlhf sft", marker="config.json") == tmp_path / "d"
+
+
+# ------------------------------------------------------------------------------- config and recipe folders
+def test_config_root_prefers_the_copy_inside_an_installed_package(tmp_path):
+    from rlhf_cli.config import config_root
+
+    package = tmp_path / "site" / "rlhf_cli"
+    package.mkdir(parents=True)
+    assert config_root(package) == tmp_path / "site"  # a checkout: conf/ and recipes/ beside the package
+    (package / "_config" / "conf").mkdir(parents=True)
+    (package / "_config" / "conf" / "config.yaml").write_text("command: ???\n")
+    assert config_root(package) == package / "_config"  # a wheel
+
+
+def test_shipped_configs_are_found_from_this_checkout():
+    assert (CONF_DIR / "config.yaml").is_file()
+    assert {"tiny", "qwen3-0.6b"} <= {p.stem for p in RECIPES_DIR.glob("*.yaml")}
+
+
+def _edit(path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def test_user_recipes_come_first_and_say_what_they_replace(tmp_path, monkeypatch):
+    from rlhf_cli.config import copy_recipe, find_recipes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RLHF_RECIPES", raising=False)
+    assert copy_recipe("tiny", "my-tiny") == Path("recipes/my-tiny.yaml")
+    assert copy_recipe("tiny") == Path("recipes/tiny.yaml")
+    found = find_recipes()
+    assert list(found) == sorted(found) and {"my-tiny", "tiny", "qwen3-0.6b"} <= set(found)
+    assert not found["my-tiny"].shipped and found["my-tiny"].hides is None
+    assert not found["tiny"].shipped and found["tiny"].hides == RECIPES_DIR / "tiny.yaml"
+    assert found["qwen3-0.6b"].shipped
+    # a copy composes under its own name and run directory; the user's tiny replaces the shipped default
+    _edit(tmp_path / "recipes" / "tiny.yaml", "kl_coef: 0.06", "kl_coef: 0.5")
+    cfg = compose("ppo", ["recipe=my-tiny"])
+    assert (cfg.recipe, cfg.run_dir, cfg.ppo.kl_coef) == ("my-tiny", "runs/my-tiny", 0.06)
+    assert cfg.model.name_or_path == "tiny"  # the recipe's defaults list (override /model) still applies
+    assert compose("ppo").ppo.kl_coef == 0.5
+    assert compose("ppo", ["recipe=tiny"]).ppo.kl_coef == 0.5
+    out = translate_overrides("sft", ["recipe=qwen3-0.6b,my-tiny"])  # a multirun over recipes
+    assert "recipes=qwen3-0.6b,user/my-tiny" in out
+
+
+def test_recipe_folders_from_the_environment(tmp_path, monkeypatch):
+    from rlhf_cli.config import copy_recipe, find_recipes, recipe_dirs
+
+    monkeypatch.chdir(tmp_path)
+    shared = tmp_path / "team recipes"
+    monkeypatch.setenv("RLHF_RECIPES", str(shared))
+    copy_recipe("qwen3-0.6b", str(shared / "big.yaml"))
+    copy_recipe("tiny", "big")  # ./recipes comes before $RLHF_RECIPES
+    assert recipe_dirs() == [tmp_path / "recipes", shared, RECIPES_DIR]
+    found = find_recipes()
+    assert found["big"].path == Path("recipes/big.yaml").absolute()
+    assert found["big"].hides == shared / "big.yaml"
+    (tmp_path / "recipes" / "big.yaml").unlink()
+    cfg = compose("sft", ["recipe=big"])
+    assert (cfg.recipe, cfg.model.name_or_path) == ("big", "Qwen/Qwen3-0.6B")
+    with pytest.raises(RlhfError, match=r"unknown recipe 'nope'.*big.*searched .*team recipes"):
+        compose("sft", ["recipe=nope"])
+
+
+def test_recipe_copy_is_a_commented_file_named_after_the_copy(tmp_path, monkeypatch):
+    from rlhf_cli.config import copy_recipe, recipe_summary
+
+    monkeypatch.chdir(tmp_path)
+    path = copy_recipe("tiny", "my-tiny")
+    text = path.read_text()
+    assert text.startswith("# @package _global_\n"
+                           "# my-tiny: a copy of recipe tiny (shipped with rlhf), to edit\n")
+    assert "rlhf sft recipe=my-tiny" in text and "# Notes of tiny:" in text
+    assert "\nrecipe: my-tiny\n" in text and "\nrecipe: tiny" not in text
+    assert "# Batch arithmetic" in text  # the source's own notes are kept
+    assert recipe_summary(path) == "my-tiny: a copy of recipe tiny (shipped with rlhf), to edit"
+    assert recipe_summary(RECIPES_DIR / "tiny.yaml").startswith("tiny: the whole chain")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("tiny", "my-tiny"), "recipes/my-tiny.yaml exists; choose another name"),
+    (("tiny", "bad name"), "'bad name' cannot be a recipe name"),
+    (("nope",), "unknown recipe 'nope'"),
+])
+def test_recipe_copy_refusals(tmp_path, monkeypatch, args, needle):
+    from rlhf_cli.config import copy_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "my-tiny.yaml").write_text("# mine\n")
+    with pytest.raises(RlhfError) as e:
+        copy_recipe(*args)
+    assert needle in str(e.value)
+    assert (tmp_path / "recipes" / "my-tiny.yaml").read_text() == "# mine\n"
+
+
+def test_broken_user_recipe_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "broken.yaml").write_text("recipe: broken\nppo: [unclosed\n")
+    with pytest.raises(RlhfError, match=r"^recipe .*broken.yaml is not valid YAML \(.*\); fix the file$"):
+        compose("sft", ["recipe=broken"])
+    compose("sft")  # other recipes are not affected
+
+
+def test_user_recipe_without_package_header_is_global(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "plain.yaml").write_text("recipe: plain\nsft:\n  learning_rate: 0.25\n")
+    cfg = compose("sft", ["recipe=plain"])
+    assert (cfg.recipe, cfg.sft.learning_rate, cfg.model.name_or_path) == ("plain", 0.25, "tiny")
+
+
+@pytest.mark.parametrize("num,overrides,name", [
+    (0, "sft.learning_rate=0.001", "0_sft.learning_rate=0.001"),
+    (3, "data.train_path=/data/a b.jsonl,seed=1", "3_data.train_path=_data_a_b.jsonl,seed=1"),
+    (1, "", "1"),
+    (12, "x=" + "9" * 200, "12_x=" + "9" * 94),
+])
+def test_multirun_job_directory_names(num, overrides, name):
+    from rlhf_cli.config import job_dir_name
+
+    assert job_dir_name(num, overrides) == name
+
+
+def test_logging_keys_default_and_checks():
+    cfg = compose("sft")
+    assert list(cfg.logging.report_to) == ["tensorboard"]
+    assert cfg.logging.wandb.mode is None and cfg.logging.wandb.group == "tiny"
+    both = compose("sft", ["logging.report_to=[tensorboard,wandb]"]).logging.report_to
+    assert list(both) == ["tensorboard", "wandb"]
+    with pytest.raises(RlhfError, match=r"^logging\.report_to: mlflow is unknown; use a list of tensorboard"):
+        compose("sft", ["logging.report_to=[tensorboard,mlflow]"])
+    with pytest.raises(RlhfError, match=r"^logging\.wandb\.mode=sometimes is unknown"):
+        compose("sft", ["logging.wandb.mode=sometimes"])
+    with pytest.raises(RlhfError, match="logging.wandb.projekt is not a config key; did you mean"):
+        compose("sft", ["+logging.wandb.projekt=x"])

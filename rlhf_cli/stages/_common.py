@@ -16,6 +16,7 @@ import torch
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.launch import is_sharded, trainer_strategy_kwargs
 from rlhf_cli.models import resolve_precision
+from rlhf_cli.tracking import trainer_report_to
 
 log = logging.getLogger("rlhf")
 
@@ -68,7 +69,7 @@ def trainer_kwargs(stage, cfg, out_dir: Path, precision: dict, n_train: int) -> 
         eval_strategy="steps",
         eval_steps=int(stage.eval_steps),
         save_strategy="no",
-        report_to=["tensorboard"],
+        report_to=trainer_report_to(cfg),  # logging.report_to: TensorBoard, wandb
         max_length=int(stage.max_length),
         activation_checkpointing=bool(stage.activation_checkpointing),
         ddp_find_unused_parameters=False,
