@@ -8,12 +8,12 @@ RECIPE ?= tiny
 ARGS ?=
 RLHF := $(BIN)/rlhf
 
-.PHONY: help install sft reward ppo eval chain chat test test-fast bench real-check gpu-check dist clean
+.PHONY: help install sft reward ppo eval chain chain-grpo chain-rule chat test test-fast bench real-check gpu-check dist clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)'"
+	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)'   recipes: tiny tiny-grpo tiny-rule qwen3-0.6b (rlhf recipes)"
 
 install: $(VENV)/.installed ## create .venv with the project and its test tools
 
@@ -42,6 +42,12 @@ chain: install ## sft -> reward -> ppo -> eval, in order
 	$(RLHF) reward recipe=$(RECIPE) $(ARGS)
 	$(RLHF) ppo recipe=$(RECIPE) $(ARGS)
 	$(RLHF) eval recipe=$(RECIPE) $(ARGS)
+
+chain-grpo: install ## the tiny chain with GRPO (4 responses per prompt, no value model)
+	$(MAKE) chain RECIPE=tiny-grpo ARGS='$(ARGS)'
+
+chain-rule: install ## the tiny chain rewarded by the politeness rule (no reward model in ppo)
+	$(MAKE) chain RECIPE=tiny-rule ARGS='$(ARGS)'
 
 chat: install ## chat with the SFT model (ARGS="chat.model_dir=runs/tiny/ppo" for PPO)
 	$(RLHF) chat recipe=$(RECIPE) $(ARGS)

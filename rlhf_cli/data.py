@@ -18,7 +18,7 @@ import codecs
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_cli.errors import RlhfError
@@ -34,9 +34,14 @@ class Example:
     prompt: list[dict]          # chat messages before the answer: [system?, user, (assistant, user)...]
     chosen: str                 # the (preferred) answer
     rejected: str | None = None
+    extra: dict = field(default_factory=dict)  # the row's other fields (e.g. a reference answer), for reward
+                                               # functions and ground-truth checkers
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+_ROW_KEYS = ("question", "prompt", "chosen", "rejected", "messages", "completion")  # what to_example reads
+
+
 class Rows(list):
     """A plain list of row dicts that also remembers where each row came from, so that an error about a row
     can point at it: `lines[i]` is the 1-based file line of row i (jsonl, blank lines counted), or `lines`
@@ -211,6 +216,7 @@ def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | No
             ex = to_example(row, fmt)
         except (KeyError, TypeError, ValueError) as e:
             raise RlhfError(f"{source}: {where}: {e} ({fmt} format)") from e
+        ex.extra = {k: v for k, v in row.items() if k not in _ROW_KEYS}
         if not isinstance(ex.chosen, str) or (fmt != "messages" and not isinstance(ex.rejected, str)):
             raise RlhfError(f"{source}: {where}: the answers must be strings (chosen is {type(ex.chosen).__name__}"
                             f"{'' if fmt == 'messages' else ', rejected is ' + type(ex.rejected).__name__}; "

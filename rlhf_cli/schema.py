@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -29,7 +30,7 @@ from rlhf_cli.launch import STRATEGIES
 from rlhf_cli.memory import PLANNERS
 
 # config groups whose keys are all known: anything else under them is a typo or a key that has gone
-GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "eval", "chat", "doctor", "export")
+GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "eval", "chat", "doctor", "export", "logging")
 # learning-rate schedules, by transformers' SchedulerType names (tests/test_config.py checks both lists)
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt")  # need nothing but the warmup and total step counts
@@ -46,7 +47,9 @@ REMOVED = {"ppo.lora.dropout": "the PPO adapter trains without dropout (its old 
 @dataclass(frozen=True)
 class Rule:
     """What one key accepts. `kind`: int | float | bool | text | enum | scheduler | int_list | enum_list |
-    modules (a module name or a list of them) | mapping (name -> text)."""
+    modules (a module name or a list of them) | mapping (name -> text) | function (one of `choices` or a
+    `module:function` / `path.py:function` reference) | sources (a list of `choices` and function references) |
+    number_list (finite numbers)."""
 
     kind: str
     lo: float | None = None
@@ -123,6 +126,13 @@ SCHEMA: dict[str, Rule] = {
     "debug": flag(),
     "dry_run": flag(),
     "export.output_dir": text(null=True),
+    "logging.report_to": Rule("enum_list", choices=("tensorboard", "wandb")),  # rlhf_cli.tracking
+    "logging.wandb.project": text(),
+    "logging.wandb.entity": text(null=True),
+    "logging.wandb.name": text(null=True),
+    "logging.wandb.group": text(null=True),
+    "logging.wandb.mode": one_of("online", "offline", "disabled", None),
+    "logging.wandb.dir": text(),
     # ---- conf/model
     "model.name_or_path": text(),
     "model.hub": one_of("modelscope", "hf"),
@@ -156,7 +166,7 @@ SCHEMA: dict[str, Rule] = {
     "data.sft_on_rejected": flag(),
     "data.max_prompt_length": COUNT,
     "data.max_rows": whole(1, null=True),
-    "data.ground_truth": one_of("demo_polite", None),
+    "data.ground_truth": Rule("function", choices=("demo_polite",), nullable=True),  # rlhf_cli.ppo.rewards
     # ---- conf/device
     "device.name": text(),
     "device.accelerator": one_of("cpu", "cuda"),
@@ -190,6 +200,13 @@ SCHEMA: dict[str, Rule] = {
     "ppo.policy_dir": text(),
     "ppo.reward_dir": text(),
     "ppo.value_init": text(),                        # reward | sft | base | a model directory
+    "ppo.reward": Rule("sources", choices=("model",)),  # summed; functions loaded by rlhf_cli.ppo.rewards
+    "ppo.reward_weights": Rule("number_list", nullable=True),  # one per source: checked by PPOConfig.check
+    "ppo.advantage": one_of("gae", "grpo", "rloo", "reinforce_pp"),
+    "ppo.samples_per_prompt": COUNT,                 # ≥ 2 for grpo / rloo, divides the batch: PPOConfig.check
+    "ppo.scale_rewards": flag(),
+    "ppo.loss_aggregation": one_of("token_mean", "sequence_mean"),
+    "ppo.kl_loss_estimator": one_of("k1", "k3", "abs", "mse"),
     "ppo.value_lora": flag(),
     "ppo.total_episodes": COUNT,                     # ≥ one update's batch: checked by config.ppo_sizes
     "ppo.per_device_train_batch_size": COUNT,
@@ -404,6 +421,20 @@ def check_value(key: str, value, rule: Rule) -> str | None:
         if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
             return f"{shown} is not a module name or a list of them; use {allowed}"
         return None
+    if rule.kind == "function":
+        if isinstance(value, str) and (value in rule.choices or _function_ref(value)):
+            return None
+        return f"{shown} is unknown; use {allowed}"
+    if rule.kind == "sources":
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names:
+            return f"{shown} is not a list of reward sources; use {allowed}"
+        bad = [v for v in names if not (isinstance(v, str) and (v in rule.choices or _function_ref(v)))]
+        return f"{key}: {_show(bad[0])} is not a reward source; use {allowed}" if bad else None
+    if rule.kind == "number_list":
+        if not isinstance(value, list) or not value or not all(_is_number(v) and math.isfinite(v) for v in value):
+            return f"{shown} is not a list of numbers; use {allowed}"
+        return None
     if rule.kind == "mapping":
         if not isinstance(value, dict) or not value:
             return f"{shown} is not a mapping of names to directories; use {allowed}"
@@ -437,6 +468,14 @@ def describe(rule: Rule) -> str:
         text_ = "a module name (all-linear) or a list such as [q_proj, v_proj]"
     elif rule.kind == "mapping":
         text_ = "NAME: DIRECTORY entries (eval.policies.NAME=DIR)"
+    elif rule.kind == "function":
+        names = [_show(c) for c in rule.choices] + (["null"] if rule.nullable else [])
+        return f"{' or '.join(names)}, or a function as module:function or /path/file.py:function"
+    elif rule.kind == "sources":
+        text_ = (f"a list of {', '.join(rule.choices)} and functions (module:function or /path/file.py:function), "
+                 f"e.g. [model] or [rlhf_cli.demo:polite_reward]")
+    elif rule.kind == "number_list":
+        text_ = "a list of numbers, e.g. [1.0, 0.5]"
     else:
         text_ = rule.kind
     return text_ + (", or null" if rule.nullable else "")
@@ -463,6 +502,16 @@ def scheduler_types() -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------------- helpers
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _function_ref(v: str) -> bool:
+    """`module:function` or `path.py:function` in shape (whether it imports is checked when the stage starts)."""
+    target, sep, name = v.rpartition(":")
+    ident = r"[A-Za-z_][A-Za-z0-9_]*"
+    if not sep or not target or not re.fullmatch(rf"{ident}(\.{ident})*", name):
+        return False
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    return is_file or bool(re.fullmatch(rf"{ident}(\.{ident})*", target))
 
 
 def _is_number(v) -> bool:

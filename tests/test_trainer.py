@@ -45,28 +45,32 @@ def ppo_cfg(**over):
     return compose("ppo", args).ppo
 
 
-def build(base, tok, p, dtype=torch.float32, compute=None, work=None, seed=0, value_lora=False):
+def build(base, tok, p, dtype=torch.float32, compute=None, work=None, seed=0, value_lora=False, rows=None):
     from accelerate import Accelerator
     from peft import get_peft_model
 
     from rlhf_cli.models import fp32_trainables, load_causal_lm, load_seq_cls, lora_config
 
     torch.manual_seed(seed)
-    policy = get_peft_model(load_causal_lm(base, dtype), lora_config(p.lora, "CAUSAL_LM"))
-    value = load_seq_cls(base, tok, dtype if value_lora else torch.float32)
-    if value_lora:
-        value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
-    reward = load_seq_cls(base, tok, dtype).requires_grad_(False)
-    fp32_trainables(policy)
-    fp32_trainables(value)
-    models = PPOModels(policy=policy.eval(), ref=None, value=TokenValueModel(value).eval(),
-                       reward=TokenValueModel(reward).eval(), score_stats=None, value_source="base")
     c = PPOConfig.from_cfg(p)
+    policy = get_peft_model(load_causal_lm(base, dtype), lora_config(p.lora, "CAUSAL_LM"))
+    fp32_trainables(policy)
+    value = reward = None
+    if c.critic:  # as build_ppo_models: a value model for gae only, a reward model only when ppo.reward names it
+        value = load_seq_cls(base, tok, dtype if value_lora else torch.float32)
+        if value_lora:
+            value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
+        fp32_trainables(value)
+        value = TokenValueModel(value).eval()
+    if c.uses_reward_model:
+        reward = TokenValueModel(load_seq_cls(base, tok, dtype).requires_grad_(False)).eval()
+    models = PPOModels(policy=policy.eval(), ref=None, value=value, reward=reward, score_stats=None,
+                       value_source="base")
     s = Sampling(max_new_tokens=c.response_length, temperature=c.temperature, pad_id=tok.pad_token_id,
                  eos_id=tok.eos_token_id, stop_ids=(tok.eos_token_id,), forward_batch_size=8,
                  vocab_size=len(tok), recompute_logprobs=compute is not None)
-    return PPOTrainer(c, ppo_sizes(p), models, tok, PromptStream(PROMPTS, 0, 0, 1), s, Accelerator(cpu=True),
-                      work, compute_dtype=compute)
+    return PPOTrainer(c, ppo_sizes(p), models, tok, PromptStream(PROMPTS, 0, 0, 1, rows), s,
+                      Accelerator(cpu=True), work, compute_dtype=compute)
 
 
 # ------------------------------------------------------------------------------------------- experience
@@ -312,3 +316,142 @@ def test_real_width_and_vocabulary_in_bf16(real_width_base):
     t.update(t.compute_advantages(exp))
     assert all(q.dtype == torch.float32 for q in t.pol_params + t.val_params)
     assert any(not torch.equal(q, b) for q, b in zip(t.pol_params, before))
+
+
+def test_truncated_weights_and_non_finite_models_are_refused(base, tmp_path):
+    import shutil
+
+    from rlhf_cli.models import check_finite, load_causal_lm, load_policy
+
+    broken = tmp_path / "broken"
+    shutil.copytree(base, broken)
+    w = broken / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(RlhfError, match=f"model files in {broken} cannot be read"):
+        load_causal_lm(broken, torch.float32)
+    model = load_causal_lm(base, torch.float32)
+    check_finite(model, "the policy", base)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    model.save_pretrained(tmp_path / "nan")
+    with pytest.raises(RlhfError, match="non-finite weights .*model.norm.weight"):
+        load_policy(tmp_path / "nan", torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- estimators, rewards
+def rules(tmp_path, body: str) -> str:
+    """A reward-function file; returns its directory (the functions are `<dir>/rules.py:<name>`)."""
+    import textwrap
+
+    (tmp_path / "rules.py").write_text(textwrap.dedent(body), encoding="utf-8")
+    return str(tmp_path / "rules.py")
+
+
+LENGTH_RULE = """
+    def length(prompts, responses, response_ids):
+        return [float(len(ids)) for ids in response_ids]
+    def token_sum(prompts, responses, response_ids):  # differs between responses of one prompt
+        return [float(sum(ids) % 10) for ids in response_ids]
+    def constant(prompts, responses):
+        return [1.0] * len(responses)
+    def broken(prompts, responses):
+        raise ValueError("no answer field")
+    def answer_index(prompts, responses, answer):  # a field of the data row, asked for by name
+        return [float(a) for a in answer]
+"""
+
+
+def test_grpo_with_a_function_reward_loads_no_value_or_reward_model(base, tok, tmp_path):
+    """grpo, n = 4, a rule as the only reward: no value model, no reward model, one parameter group; the 4
+    responses to a prompt sit in consecutive rows; advantages are centred per group; no value loss."""
+    f = rules(tmp_path, LENGTH_RULE)
+    t = build(base, tok, ppo_cfg(advantage="grpo", samples_per_prompt=4, reward=f"[{f}:token_sum]",
+                                 learning_rate=1e-2), work=tmp_path)
+    assert t.value is None and t.reward is None and t.val_params == [] and len(t.optimizer.param_groups) == 1
+    exp = t.make_experience()
+    assert exp.values is None and exp.rm_scores is None
+    assert exp.prompts[:4] == [PROMPTS[t.stream._order(0)[0]]] * 4 and exp.prompts[4] != exp.prompts[3]
+    # response_ids: each response's valid tokens, no padding
+    sums = torch.tensor([float(sum(r[m.bool()].tolist()) % 10) for r, m in zip(exp.response_ids, exp.response_mask)])
+    torch.testing.assert_close(exp.source_scores["token_sum"], sums)
+    exp = t.compute_advantages(exp)
+    seq_adv = exp.advantages[:, 0].view(-1, 4)
+    torch.testing.assert_close(seq_adv.sum(-1), torch.zeros(2), atol=1e-5, rtol=0)
+    assert exp.returns is None and exp.rewards is None
+    before = [q.detach().clone() for q in t.pol_params]
+    stats = t.update(exp)
+    assert stats["vf_loss"].abs().sum().item() == 0.0 and torch.isfinite(stats["kl_loss"]).all()
+    m = t.metrics(exp, stats)
+    assert "loss/value_avg" not in m and "val/explained_var" not in m and "objective/rm_scores" not in m
+    assert m["reward/token_sum"] == pytest.approx(sums.mean().item())
+    assert 0.0 <= m["reward/frac_zero_std"] <= 1.0 and 0.0 <= m["response/clipped_ratio"] <= 1.0
+    assert "loss/kl_avg" in m
+    assert seq_adv.abs().sum() > 0 and any(not torch.equal(q, b) for q, b in zip(t.pol_params, before))
+
+
+def test_equal_rewards_in_every_group_give_zero_advantages_and_count(base, tok, tmp_path):
+    f = rules(tmp_path, LENGTH_RULE)
+    for advantage in ("grpo", "rloo"):
+        t = build(base, tok, ppo_cfg(advantage=advantage, samples_per_prompt=2, reward=f"[{f}:constant]",
+                                     empty_response_penalty="null", kl_coef=0.0), work=tmp_path)
+        exp = t.compute_advantages(t.make_experience())
+        assert exp.advantages.abs().max().item() == 0.0
+        assert t.metrics(exp, t.update(exp))["reward/frac_zero_std"] == 1.0
+
+
+@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp"])
+def test_critic_free_estimators_update_the_policy(base, tok, tmp_path, advantage):
+    f = rules(tmp_path, LENGTH_RULE)
+    t = build(base, tok, ppo_cfg(advantage=advantage, samples_per_prompt=2, reward=f"[{f}:token_sum]",
+                                 learning_rate=1e-2), work=tmp_path)
+    exp = t.compute_advantages(t.make_experience())
+    assert exp.advantages.abs().sum() > 0
+    if advantage == "reinforce_pp":  # whitened over the batch's valid tokens
+        assert abs(core.masked_mean(exp.advantages, exp.response_mask).item()) < 1e-5
+    else:  # score − β·ΣKL per response; the KL is 0 before the first update
+        torch.testing.assert_close(exp.rewards, exp.scores)
+    before = [q.detach().clone() for q in t.pol_params]
+    t.update(exp)
+    assert any(not torch.equal(q, b) for q, b in zip(t.pol_params, before))
+
+
+def test_reward_sources_are_summed_with_their_weights(base, tok, tmp_path):
+    f = rules(tmp_path, LENGTH_RULE)
+    t = build(base, tok, ppo_cfg(reward=f"[model,{f}:length]", reward_weights="[1.0,0.5]"), work=tmp_path)
+    exp = t.make_experience()
+    assert t.reward is not None and t.value is not None
+    expected = exp.rm_scores + 0.5 * exp.response_mask.sum(-1)
+    expected = torch.where(exp.empty, torch.full_like(expected, -5.0), expected)  # ppo.empty_response_penalty
+    torch.testing.assert_close(exp.scores, expected)
+    assert set(exp.source_scores) == {"model", "length"}
+
+
+def test_the_data_rows_fields_reach_the_function_with_their_prompts(base, tok, tmp_path):
+    f = rules(tmp_path, LENGTH_RULE)
+    t = build(base, tok, ppo_cfg(advantage="rloo", samples_per_prompt=2, reward=f"[{f}:answer_index]",
+                                 empty_response_penalty="null"), work=tmp_path,
+              rows=[{"answer": i} for i in range(len(PROMPTS))])
+    exp = t.make_experience()
+    assert exp.scores.tolist() == [float(PROMPTS.index(q)) for q in exp.prompts]
+    assert exp.rows == [{"answer": PROMPTS.index(q)} for q in exp.prompts]
+
+
+def test_a_reward_function_that_raises_stops_the_run_naming_it(base, tok, tmp_path):
+    f = rules(tmp_path, LENGTH_RULE)
+    t = build(base, tok, ppo_cfg(advantage="reinforce_pp", reward=f"[{f}:broken]"), work=tmp_path)
+    with pytest.raises(RlhfError, match=rf"^ppo.reward function {f}:broken raised ValueError: no answer field"):
+        t.make_experience()
+
+
+def test_critic_free_checkpoint_has_no_value_model_and_resumes(base, tok, tmp_path):
+    f = rules(tmp_path, LENGTH_RULE)
+    p = ppo_cfg(advantage="grpo", samples_per_prompt=2, reward=f"[{f}:length]", learning_rate=1e-2)
+    a = build(base, tok, p, work=tmp_path / "a")
+    a.update(a.compute_advantages(a.make_experience()))
+    a.progress.update, a.progress.episodes = 1, 8
+    path = a.save()
+    assert not (path / "value").exists()
+    b = build(base, tok, p, work=tmp_path / "b", seed=5)
+    b.resume(path)
+    assert all(torch.equal(qa, qb) for qa, qb in zip(a.pol_params, b.pol_params))
+    assert b.progress.update == 1 and b.stream.consumed == a.stream.consumed

@@ -3,7 +3,8 @@ pickled: tensors go to safetensors files, everything else to JSON, so loading a 
 
     checkpoint-N/
         adapter_model.safetensors + adapter_config.json   the policy's LoRA adapter (or model.safetensors: full)
-        value/                                            the value model (its LoRA adapter + head, or all of it)
+        value/                                            the value model (its LoRA adapter + head, or all of it;
+                                                          absent in critic-free runs)
         tokenizer files
         trainer_state.json                                counters, scheduler, KL controller, metrics, RNG (python)
         trainer_state.safetensors                         optimizer tensors, torch RNG states
@@ -106,7 +107,8 @@ def save(path: Path, policy, value_model, tok, state: dict, optimizer_state: dic
     with atomic_dir(path, every_rank=False) as tmp:  # the main process alone writes checkpoints
         save_model(policy, tmp)
         tok.save_pretrained(str(tmp))
-        save_model(value_model, tmp / "value")
+        if value_model is not None:  # critic-free runs (grpo, rloo, reinforce_pp) have none
+            save_model(value_model, tmp / "value")
         save_file(tensors, str(tmp / STATE_TENSORS))
         doc = {**state, "optimizer": opt_js, "rng": [js for js, _ in rng]}
         (tmp / STATE_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
@@ -126,7 +128,8 @@ def load(path: Path, policy, value_model, rank: int) -> dict:
                         f"{path} to resume from an earlier checkpoint, or drop ppo.resume=true") from e
     tensors = _read_tensors(path / STATE_TENSORS, load_file)
     load_model_weights(policy, path)
-    load_model_weights(value_model, path / "value")
+    if value_model is not None:
+        load_model_weights(value_model, path / "value")
     opt = {k[len("optimizer/"):]: v for k, v in tensors.items() if k.startswith("optimizer/")}
     ranks = doc["rng"]
     r = rank if rank < len(ranks) else 0

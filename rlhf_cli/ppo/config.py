@@ -1,9 +1,16 @@
 """The PPO hyper-parameters as one typed object, built once from the `ppo` config group (values are validated
-by `rlhf_cli.schema` when the config is composed; here they only get their types)."""
+by `rlhf_cli.schema` when the config is composed; here they get their types, and `check` tests the keys that
+only make sense together)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+from rlhf_cli.errors import RlhfError
+
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
+GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: samples_per_prompt ≥ 2
+REWARD_MODEL = "model"                # the ppo.reward entry that means the reward model at ppo.reward_dir
 
 
 @dataclass(frozen=True)
@@ -24,9 +31,17 @@ class PPOConfig:
     stop_token: str | None              # "eos" or None (fixed-length responses)
     stop_token_ids: tuple[int, ...]
     recompute_logprobs: str             # auto | true | false
+    # rewards and advantages
+    reward: tuple[str, ...]             # "model" and/or "module:function" / "/path/file.py:function", summed
+    reward_weights: tuple[float, ...] | None  # one per reward source; None: 1 each
+    advantage: str                      # gae | grpo | rloo | reinforce_pp
+    samples_per_prompt: int             # n responses per prompt (each prompt of an update repeated n times)
+    scale_rewards: bool                 # grpo: divide by the group's std (false: Dr. GRPO)
+    loss_aggregation: str               # token_mean | sequence_mean
+    kl_loss_estimator: str              # grpo: the KL estimate in its loss
     # reward shaping and KL
     kl_coef: float
-    kl_estimator: str                   # k1 | k3 | abs | mse
+    kl_estimator: str                   # k1 | k3 | abs | mse (where the KL is a reward: gae, rloo, reinforce_pp)
     adaptive_kl: bool
     adaptive_kl_target: float           # nats per sequence, for the adaptive controller
     kl_horizon: float
@@ -60,7 +75,8 @@ class PPOConfig:
             elif f.name == "recompute_logprobs":
                 kw[f.name] = str(v).lower()
             elif t.startswith("tuple"):
-                kw[f.name] = tuple(int(i) for i in v)
+                item = {"str": str, "float": float}.get(t[len("tuple["):].split(",")[0], int)
+                kw[f.name] = (item(v),) if isinstance(v, (str, int, float)) else tuple(item(i) for i in v)
             elif t.startswith("float"):
                 kw[f.name] = float(v)
             elif t.startswith("int"):
@@ -74,3 +90,37 @@ class PPOConfig:
     @property
     def value_lr(self) -> float:
         return self.learning_rate if self.value_learning_rate is None else self.value_learning_rate
+
+    @property
+    def critic(self) -> bool:
+        """A value model is trained (gae); the other estimators need none, so none is loaded or saved."""
+        return self.advantage == "gae"
+
+    @property
+    def uses_reward_model(self) -> bool:
+        return REWARD_MODEL in self.reward
+
+    def weights(self) -> tuple[float, ...]:
+        """One weight per `reward` entry."""
+        return self.reward_weights if self.reward_weights is not None else (1.0,) * len(self.reward)
+
+    def check(self, local_batch_size: int) -> None:
+        """Keys that are only wrong together: one error naming them and the fix."""
+        if self.advantage not in ADVANTAGES:
+            raise RlhfError(f"ppo.advantage={self.advantage} is unknown; use one of {', '.join(ADVANTAGES)}")
+        n = self.samples_per_prompt
+        if self.advantage in GROUP_ADVANTAGES and n < 2:
+            raise RlhfError(f"ppo.advantage={self.advantage} compares the responses to one prompt, but "
+                            f"ppo.samples_per_prompt={n}; set ppo.samples_per_prompt=4 (any value ≥ 2)")
+        if local_batch_size % n:
+            raise RlhfError(f"ppo.samples_per_prompt={n} does not divide the per-process batch of "
+                            f"{local_batch_size} episodes (per_device_train_batch_size × gradient_accumulation_steps "
+                            "× num_mini_batches); pick a divisor of it")
+        if not self.reward:
+            raise RlhfError("ppo.reward is empty; use [model] (the reward model) and/or functions "
+                            "[module:function, /path/file.py:function]")
+        if len(set(self.reward)) < len(self.reward):
+            raise RlhfError(f"ppo.reward lists a source twice ({', '.join(self.reward)}); give it once with a weight")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise RlhfError(f"ppo.reward_weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "
+                            f"reward source(s) ({', '.join(self.reward)}); give one weight per source, or null")

@@ -12,6 +12,14 @@ References:
     [Z19]   Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
     [N+]    Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO".
     [KLapx] Schulman 2020, "Approximating KL Divergence" (k1/k3 estimators).
+    [GRPO]  Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning" (section 4.1).
+    [DrGRPO] Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (section 3.1).
+    [RLOO]  Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+            Human Feedback in LLMs"; the leave-one-out baseline of Kool et al. 2019, "Buy 4 REINFORCE Samples,
+            Get a Baseline for Free!".
+    [R++]   Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models".
+
+Group estimators (grpo, rloo) take the B rows as B/n groups of n consecutive rows: the n responses to one prompt.
 """
 
 from __future__ import annotations
@@ -24,11 +32,15 @@ from torch import Tensor
 AllReduceSum = Callable[[Tensor], Tensor]
 
 __all__ = [
+    "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
     "AllReduceSum",
     "FixedKLController",
+    "aggregate_loss",
     "entropy_from_logits",
     "gae",
+    "group_zero_spread",
+    "grpo_advantages",
     "kl_penalty",
     "last_token_index",
     "logprobs_and_entropy",
@@ -38,6 +50,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "shape_scores",
     "token_rewards",
     "value_loss",
@@ -302,22 +316,108 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return adv, adv + values
 
 
+def _grouped(scores: Tensor, group_size: int) -> Tensor:
+    """(B,) -> (B/n, n): row g holds the n responses to prompt g (consecutive rows)."""
+    if group_size < 1 or scores.shape[0] % group_size:
+        raise ValueError(f"{scores.shape[0]} scores do not split into groups of {group_size}")
+    return scores.reshape(-1, group_size)
+
+
+def _on_tokens(per_sequence: Tensor, mask: Tensor) -> Tensor:
+    """(B,) -> (B, T): the sequence's value on each of its valid tokens, 0 on padding."""
+    return torch.where(mask.bool(), per_sequence.unsqueeze(-1).expand(mask.shape), 0.0).to(per_sequence.dtype)
+
+
+def group_zero_spread(scores: Tensor, group_size: int, tol: float = 1e-6) -> Tensor:
+    """1[max − min ≤ tol] per group: every response to the prompt got the same reward, so a group estimator gives
+    all of them advantage 0 and the prompt teaches nothing.
+
+    Shapes: scores (B,) -> (B/n,) bool. Source: the `frac_reward_zero_std` diagnostic of TRL's GRPO trainer.
+    """
+    g = _grouped(scores, group_size)
+    return (g.amax(-1) - g.amin(-1)) <= tol
+
+
+def grpo_advantages(scores: Tensor, mask: Tensor, group_size: int, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> Tensor:
+    """A_i = (r_i − mean_g r) / (std_g r + eps) on every token of response i (scale_by_std=False: r_i − mean_g r).
+
+    Shapes: scores (B,), mask (B, T) -> (B, T), 0 on padding; the std is the unbiased one of the group's n rewards.
+    The reward is the score alone: GRPO puts the KL to the reference in the loss, β·k3 per token, not in the
+    reward. Source: [GRPO] eq. 3 and "outcome supervision" (section 4.1.2); scale_by_std=False is [DrGRPO]'s
+    correction (dividing by the std up-weights prompts that are almost always or almost never solved).
+    A group with equal rewards gets exactly 0 either way.
+    """
+    if group_size < 2:
+        raise ValueError(f"grpo compares the responses to one prompt: group_size must be ≥ 2, got {group_size}")
+    g = _grouped(scores.float(), group_size)
+    centred = g - g.mean(-1, keepdim=True)
+    if scale_by_std:
+        centred = centred / (g.std(-1, keepdim=True) + eps)
+    return _on_tokens(centred.reshape(-1), mask)
+
+
+def rloo_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """A_i = r_i − 1/(n−1) · Σ_{j≠i} r_j = n/(n−1) · (r_i − mean_g r) on every token of response i.
+
+    Shapes: rewards (B,), mask (B, T) -> (B, T), 0 on padding. `rewards` is the sequence-level reward with the KL
+    penalty already in it, r_i = score_i − β·Σ_t KL_i,t: RLOO treats the whole response as one action.
+    Source: [RLOO] section 3 (REINFORCE with the leave-one-out baseline, KL in the reward), not whitened.
+    """
+    if group_size < 2:
+        raise ValueError(f"rloo needs another response to the same prompt: group_size must be ≥ 2, got {group_size}")
+    g = _grouped(rewards.float(), group_size)
+    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
+    return _on_tokens((g - baseline).reshape(-1), mask)
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0, *,
+                            allreduce_sum: AllReduceSum | None = None) -> Tensor:
+    """A_t = whiten(G_t), G_t = Σ_{s≥t} γ^{s−t} r_s, whitened over every valid token of the (global) batch.
+
+    Shapes: rewards, mask (B, T) -> (B, T), 0 on padding. `rewards` are per-token, the KL penalty on every token
+    and the score on the last (`token_rewards`). No critic and no groups: the batch-wide normalisation is the
+    baseline. Source: [R++] section 3 (token-level KL in the reward, global advantage normalisation).
+    """
+    returns, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)  # V = 0, λ = 1: the reward-to-go
+    return masked_whiten(returns, mask, allreduce_sum=allreduce_sum)
+
+
 # --------------------------------------------------------------------------- losses
 
 
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """L = token-mean max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = exp(logπ − logπ_old).
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 
-    Shapes: (B, T) inputs -> 0-dim loss; stats clipfrac, approxkl (½·mean Δ²), ratio.
+
+def aggregate_loss(x: Tensor, mask: Tensor, aggregation: str = "token_mean") -> Tensor:
+    """token_mean: Σ x·mask / Σ mask over the batch (every token weighs the same); sequence_mean: the mean over
+    rows of each row's token mean (every response weighs the same, so a long one's tokens count less).
+
+    Shapes: x, mask (B, T) -> 0-dim. Source: sequence_mean is [GRPO] eq. 3's 1/|o_i|; token_mean is PPO's
+    [N+] and the fix [DrGRPO] argues for (no length bias).
+    """
+    if aggregation == "token_mean":
+        return masked_mean(x, mask)
+    if aggregation == "sequence_mean":
+        return masked_mean(x, mask, dim=-1).mean()
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """L = token-mean max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = exp(logπ − logπ_old) (or the mean over sequences of
+    each one's token mean, `aggregate_loss`).
+
+    Shapes: (B, T) inputs -> 0-dim loss; stats clipfrac, approxkl (½·mean Δ²), ratio (token means).
     Source: [PPO] eq. 7 (clipped surrogate, negated for minimisation), stats as in [N+].
     """
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, aggregation)
 
     with torch.no_grad():
         stats = {

@@ -71,13 +71,19 @@ class Experience:
     has_stop: torch.Tensor        # (B,) bool, a stop token was generated
     empty: torch.Tensor           # (B,) bool, nothing but the stop token (or whitespace) was generated
     texts: list[str]              # B decoded responses (special tokens skipped)
-    values: torch.Tensor | None = None     # (B, R) V_old(s_t); None without a value model
-    rm_scores: torch.Tensor | None = None  # (B,) raw reward-model score at the last valid response token
-    scores: torch.Tensor | None = None     # (B,) the score PPO optimises (core.shape_scores of rm_scores)
-    rewards: torch.Tensor | None = None    # (B, R) per-token rewards: -β·KL, + score on the last token
+    prompts: list[str] | None = None       # B rendered prompts (a prompt sampled n times appears n times in a row)
+    rows: list[dict] | None = None         # B dicts: the extra fields of each prompt's data row (reward functions)
+    values: torch.Tensor | None = None     # (B, R) V_old(s_t); None without a value model (critic-free)
+    rm_scores: torch.Tensor | None = None  # (B,) raw reward-model score at the last valid response token; None
+                                           # without a reward model
+    source_scores: dict | None = None      # reward source name -> (B,) its score before weighting (the model's
+                                           # normalised, a function's as returned)
+    scores: torch.Tensor | None = None     # (B,) the score optimised: Σ weight·source score, EOS / empty penalties
+    rewards: torch.Tensor | None = None    # (B, R) per-token rewards: -β·KL, + score on the last token (gae,
+                                           # reinforce_pp); (B,) score - β·ΣKL (rloo); None (grpo: KL in the loss)
     kl: torch.Tensor | None = None         # (B, R) per-token KL estimate, 0 on padding
-    advantages: torch.Tensor | None = None  # (B, R) whitened GAE advantages
-    returns: torch.Tensor | None = None     # (B, R) advantages (before whitening) + values
+    advantages: torch.Tensor | None = None  # (B, R) advantages of the estimator (ppo.advantage)
+    returns: torch.Tensor | None = None     # (B, R) value targets: GAE advantages (before whitening) + values
     extras: dict = field(default_factory=dict)
 
     @property
@@ -100,6 +106,8 @@ class Experience:
             vals = [getattr(p, f.name) for p in parts]
             if f.name == "extras":
                 out[f.name] = {}
+            elif isinstance(vals[0], dict):
+                out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
             elif isinstance(vals[0], list):
                 out[f.name] = [x for v in vals for x in v]
             elif vals[0] is None:
@@ -143,7 +151,8 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
     """Sample a response per prompt and score it, `s.forward_batch_size` prompts at a time.
 
     policy: the model that samples (a PEFT model: its adapter-disabled self is the reference unless `ref_model`
-    is given). value_model / reward_model: `TokenValueModel`s, optional (eval has no value model). The
+    is given). value_model / reward_model: `TokenValueModel`s, optional (eval and critic-free PPO have no value
+    model; a run rewarded by functions alone has no reward model). The
     log-probs come from the sampling pass, or with `s.recompute_logprobs` from a full forward like the
     update's (the two disagree in low precision)."""
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -185,7 +194,8 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
         t_gen, t_score = t_gen + (t1 - t0), t_score + (time.perf_counter() - t1)
         chunks.append(Experience(input_ids=input_ids, attention_mask=attn, position_ids=pos, response_ids=resp,
                                  response_mask=rmask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
-                                 has_stop=has_stop, empty=empty, texts=texts, values=values, rm_scores=rm_scores))
+                                 has_stop=has_stop, empty=empty, texts=texts, values=values, rm_scores=rm_scores,
+                                 prompts=list(prompts[i: i + s.forward_batch_size])))
     exp = Experience.cat(chunks).trim()
     exp.extras.update({"time/generate_s": t_gen, "time/score_s": t_score})
     return exp

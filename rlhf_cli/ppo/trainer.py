@@ -1,9 +1,10 @@
 """The PPO-RLHF loop (`PPOTrainer.train`), one numbered step at a time:
 
-    step 1+2. make_experience     sample responses for a batch of prompts and score them (old / reference
-                                  log-probs, values, reward-model scores, shaped scores)
-    step 3+4. compute_advantages  per-token rewards (score on the last response token, -kl_coef·KL on every
-                                  token), GAE advantages whitened with statistics over all processes
+    step 1+2. make_experience     sample n responses for each prompt of a batch and score them (old / reference
+                                  log-probs, values, reward-model scores and reward functions, summed and shaped)
+    step 3+4. compute_advantages  the estimator of `ppo.advantage`: gae (per-token rewards with the KL penalty,
+                                  value model, GAE, whitened), grpo / rloo (the n responses to a prompt compared),
+                                  reinforce_pp (reward-to-go, whitened over the batch)
     step 5.   update              PPO epochs over shuffled mini-batches, micro-batches with gradient accumulation
     step 6.   log / save          metrics, sample table, checkpoint
 
@@ -24,20 +25,20 @@ from typing import Callable
 import torch
 
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.ppo import checkpoint, core
-from rlhf_cli.ppo.config import PPOConfig
+from rlhf_cli.ppo import checkpoint, core, rewards
+from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
 from rlhf_cli.ppo.rollout import leading_padding, policy_logits, response_slice
 
-STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio")
+STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio", "kl_loss")
 
 
 @dataclass
 class PPOModels:
     policy: torch.nn.Module        # trainable: a PEFT LoRA model (reference = adapter disabled) or a full model
     ref: torch.nn.Module | None    # None: the policy with its adapter disabled; else a frozen copy
-    value: torch.nn.Module         # TokenValueModel, trainable (all weights, or LoRA + head)
-    reward: torch.nn.Module        # TokenValueModel, frozen
+    value: torch.nn.Module | None  # TokenValueModel, trainable (all weights, or LoRA + head); None: critic-free
+    reward: torch.nn.Module | None  # TokenValueModel, frozen; None: rewarded by functions alone
     score_stats: dict | None       # the reward model's score mean / std (for normalisation), or None
     value_source: str              # where the value model came from (for the log)
 
@@ -55,10 +56,12 @@ class Hooks:
 
 class PromptStream:
     """Repeating, shuffled prompt stream; each process takes a disjoint shard. Its position is a checkpoint
-    counter, so a resumed run continues with the prompts it would have seen."""
+    counter, so a resumed run continues with the prompts it would have seen. `rows` (optional, one dict per
+    prompt) are the data rows' extra fields that reward functions may ask for."""
 
-    def __init__(self, prompts: list[str], seed: int, rank: int, world: int) -> None:
+    def __init__(self, prompts: list[str], seed: int, rank: int, world: int, rows: list[dict] | None = None) -> None:
         self.prompts, self.seed, self.rank, self.world = prompts, seed, rank, world
+        self.rows = rows
         self.consumed = 0  # prompts taken by this process so far
 
     def _order(self, epoch: int) -> list[int]:
@@ -66,15 +69,19 @@ class PromptStream:
         random.Random(self.seed + epoch).shuffle(idx)
         return idx[self.rank:: self.world] or idx
 
-    def take(self, n: int) -> list[str]:
+    def take_indices(self, n: int) -> list[int]:
+        """The next `n` prompts of this process's shard, as indices into `prompts` / `rows`."""
         out = []
         while len(out) < n:
             shard_epoch, pos = divmod(self.consumed, len(self._order(0)))
             order = self._order(shard_epoch)
             take = min(n - len(out), len(order) - pos)
-            out.extend(self.prompts[i] for i in order[pos: pos + take])
+            out.extend(order[pos: pos + take])
             self.consumed += take
         return out
+
+    def take(self, n: int) -> list[str]:
+        return [self.prompts[i] for i in self.take_indices(n)]
 
 
 @dataclass
@@ -87,25 +94,46 @@ class Progress:
 class PPOTrainer:
     def __init__(self, c: PPOConfig, sizes, models: PPOModels, tok, stream: PromptStream, sampling: Sampling,
                  accelerator, work_dir: Path, compute_dtype: torch.dtype | None = None,
-                 ground_truth: Callable[[str], bool] | None = None, writer=None, hooks: Hooks | None = None):
+                 ground_truth: rewards.GroundTruth | Callable[[str], bool] | None = None, writer=None,
+                 hooks: Hooks | None = None, reward_functions: dict[str, Callable] | None = None):
+        """`reward_functions`: the loaded `ppo.reward` functions by their spec (loaded here when not given);
+        `ground_truth`: a `rewards.GroundTruth`, or a plain function of one response text."""
         from transformers import get_scheduler
 
+        c.check(sizes.local_batch_size)
         self.c, self.sizes, self.tok, self.stream, self.sampling = c, sizes, tok, stream, sampling
         self.acc, self.work, self.compute_dtype = accelerator, work_dir, compute_dtype
+        if ground_truth is not None and not isinstance(ground_truth, rewards.GroundTruth):
+            ground_truth = rewards.GroundTruth(getattr(ground_truth, "__name__", "ground_truth"), ground_truth,
+                                               frozenset())
         self.ground_truth, self.writer, self.hooks = ground_truth, writer, hooks or Hooks()
         self.device, self.world, self.rank = accelerator.device, accelerator.num_processes, accelerator.process_index
         self.ref, self.reward, self.score_stats = models.ref, models.reward, models.score_stats
+        if c.uses_reward_model and models.reward is None:
+            raise RlhfError(f"ppo.reward={list(c.reward)} names the reward model, but none was loaded")
+        extra = {k for r in (stream.rows or []) for k in r}
+        self.reward_functions = dict(reward_functions or {})
+        for spec in c.reward:
+            if spec != REWARD_MODEL and spec not in self.reward_functions:
+                self.reward_functions[spec] = rewards.RewardFunction.load(spec, extra)
+        self.source_names = rewards.source_names(c.reward)
         # one AdamW, two parameter groups (policy, value) with their own learning rates; fp32 master weights
         self.pol_params = [q for q in models.policy.parameters() if q.requires_grad]
-        self.val_params = [q for q in models.value.parameters() if q.requires_grad]
-        optimizer = torch.optim.AdamW([{"params": self.pol_params, "lr": c.learning_rate},
-                                       {"params": self.val_params, "lr": c.value_lr}],
-                                      lr=c.learning_rate, weight_decay=c.weight_decay, eps=1e-5)
+        self.val_params = [q for q in models.value.parameters() if q.requires_grad] if models.value is not None \
+            else []
+        groups = [{"params": self.pol_params, "lr": c.learning_rate}]
+        if models.value is not None:
+            groups.append({"params": self.val_params, "lr": c.value_lr})
+        optimizer = torch.optim.AdamW(groups, lr=c.learning_rate, weight_decay=c.weight_decay, eps=1e-5)
         total_steps = sizes.num_updates * c.num_ppo_epochs * sizes.num_mini_batches
         self.scheduler = get_scheduler(c.lr_scheduler_type, optimizer,
                                        num_warmup_steps=int(c.warmup_ratio * total_steps),
                                        num_training_steps=total_steps)
-        self.policy, self.value, self.optimizer = accelerator.prepare(models.policy, models.value, optimizer)
+        if models.value is not None:
+            self.policy, self.value, self.optimizer = accelerator.prepare(models.policy, models.value, optimizer)
+        else:  # critic-free: no value model to train, sync or save
+            self.policy, self.optimizer = accelerator.prepare(models.policy, optimizer)
+            self.value = None
         if self.world > 1:
             # weights are already in sync (DDP broadcasts rank 0's); sampling must differ between ranks
             torch.manual_seed(int(stream.seed) + self.rank)
@@ -127,29 +155,52 @@ class PPOTrainer:
     def global_mean(self, t: torch.Tensor) -> torch.Tensor:
         return self.acc.reduce(t.float().mean(), "mean") if self.world > 1 else t.float().mean()
 
+    def value_model(self):
+        """The value model's sequence-classification model (what is saved), or None (critic-free)."""
+        return self.acc.unwrap_model(self.value).model if self.value is not None else None
+
     def _fail(self, what: str, fix: str) -> None:
         raise RlhfError(f"ppo: {what} at update {self.progress.update + 1}; {fix}")
 
     # ---------------------------------------------------------------------------------- step 1 + 2
     def make_experience(self) -> Experience:
-        """Sample one batch of prompts and score it; the score is shaped (normalised, EOS / empty penalties)."""
-        c = self.c
+        """Sample n responses to each prompt of one batch (the n in consecutive rows) and score them."""
+        c, n = self.c, self.c.samples_per_prompt
+        idx = [i for i in self.stream.take_indices(self.sizes.local_batch_size // n) for _ in range(n)]
         with self.autocast():
-            exp = make_experience(self.stream.take(self.sizes.local_batch_size), self.tok, self.unwrapped,
+            exp = make_experience([self.stream.prompts[i] for i in idx], self.tok, self.unwrapped,
                                   self.sampling, ref_model=self.ref, value_model=self.value,
                                   reward_model=self.reward, device=self.device)
-        if not bool(torch.isfinite(exp.rm_scores).all()):
+        if exp.rm_scores is not None and not bool(torch.isfinite(exp.rm_scores).all()):
             self._fail("the reward model gave non-finite scores",
                        "the reward model is broken: retrain it (`rlhf reward` with a lower reward.learning_rate)")
-        if not bool(torch.isfinite(exp.values).all()) or not bool(torch.isfinite(exp.logprobs).all()):
+        if (exp.values is not None and not bool(torch.isfinite(exp.values).all())) \
+                or not bool(torch.isfinite(exp.logprobs).all()):
             self._fail("the policy or value model gave non-finite outputs",
                        f"lower ppo.learning_rate (now {c.learning_rate:g})")
-        st = self.score_stats if c.normalize_scores else None
-        scores = core.shape_scores(exp.rm_scores, exp.has_stop, exp.empty,
-                                   mean=st["mean"] if st else None, std=st["std"] if st else None,
+        rows = [self.stream.rows[i] for i in idx] if self.stream.rows is not None else [{} for _ in idx]
+        return self.score(exp.with_(rows=rows))
+
+    def score(self, exp: Experience) -> Experience:
+        """The score optimised: Σ weight · source over `ppo.reward` (the reward model's score normalised with its
+        statistics, a function's as returned), then the missing-EOS penalty and the empty-response score."""
+        c, parts, inputs = self.c, [], None
+        for spec in c.reward:
+            if spec == REWARD_MODEL:
+                st = self.score_stats if c.normalize_scores else None
+                part = core.shape_scores(exp.rm_scores, exp.has_stop, exp.empty,
+                                         mean=st["mean"] if st else None, std=st["std"] if st else None)
+            else:
+                if inputs is None:
+                    inputs = rewards.reward_inputs(exp, exp.rows or [{} for _ in exp.texts])
+                values = self.reward_functions[spec](exp.prompts, exp.texts, **inputs)
+                part = torch.tensor(values, dtype=torch.float32, device=exp.response_ids.device)
+            parts.append(part)
+        total = rewards.weighted_sum(parts, c.weights())
+        scores = core.shape_scores(total, exp.has_stop, exp.empty,
                                    missing_eos_penalty=c.missing_eos_penalty if self.sampling.stop_ids else None,
                                    empty_score=c.empty_response_penalty)
-        return exp.with_(scores=scores)
+        return exp.with_(scores=scores, source_scores=dict(zip(self.source_names, parts)))
 
     def check_first_update(self, exp: Experience) -> None:
         """Before any update the policy is the reference (LoRA starts at 0): their log-probs must agree."""
@@ -171,15 +222,37 @@ class PPOTrainer:
 
     # ---------------------------------------------------------------------------------- step 3 + 4
     def compute_advantages(self, exp: Experience) -> Experience:
-        """Per-token rewards (KL penalty on every token, the score on the last), GAE, global whitening."""
-        c, mask = self.c, exp.response_mask
-        rewards, kl = core.token_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, self.kl_ctl.value,
-                                         estimator=c.kl_estimator)
-        if c.whiten_rewards:
-            rewards = core.masked_whiten(rewards, mask, keep_mean=True, allreduce_sum=self.allreduce_sum)
-        advantages, returns = core.gae(rewards, exp.values, mask, c.gamma, c.lam)
-        advantages = core.masked_whiten(advantages, mask, allreduce_sum=self.allreduce_sum)
-        return exp.with_(rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+        """The advantages of `ppo.advantage`, and where each puts the KL penalty:
+
+        gae           per-token rewards (β·KL on every token, the score on the last), GAE on the value model,
+                      whitened over all processes [N+]
+        reinforce_pp  the same per-token rewards, reward-to-go whitened over all processes, no critic [R++]
+        rloo          sequence reward score − β·ΣKL, minus the mean of the other responses to the prompt [RLOO]
+        grpo          the score alone, centred (and scaled by the std) within the prompt's group; the KL is a
+                      loss term (`micro_batch_loss`) [GRPO]
+        """
+        c, mask, n = self.c, exp.response_mask, self.c.samples_per_prompt
+        if c.advantage == "gae":
+            rewards, kl = core.token_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, self.kl_ctl.value,
+                                             estimator=c.kl_estimator)
+            if c.whiten_rewards:
+                rewards = core.masked_whiten(rewards, mask, keep_mean=True, allreduce_sum=self.allreduce_sum)
+            advantages, returns = core.gae(rewards, exp.values, mask, c.gamma, c.lam)
+            advantages = core.masked_whiten(advantages, mask, allreduce_sum=self.allreduce_sum)
+            return exp.with_(rewards=rewards, kl=kl, advantages=advantages, returns=returns)
+        if c.advantage == "reinforce_pp":
+            rewards, kl = core.token_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, self.kl_ctl.value,
+                                             estimator=c.kl_estimator)
+            advantages = core.reinforce_pp_advantages(rewards, mask, c.gamma, allreduce_sum=self.allreduce_sum)
+            return exp.with_(rewards=rewards, kl=kl, advantages=advantages)
+        estimator = c.kl_loss_estimator if c.advantage == "grpo" else c.kl_estimator
+        kl = core.kl_penalty(exp.logprobs, exp.ref_logprobs, estimator)
+        kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+        if c.advantage == "rloo":
+            rewards = exp.scores - self.kl_ctl.value * kl.sum(-1)
+            return exp.with_(rewards=rewards, kl=kl, advantages=core.rloo_advantages(rewards, mask, n))
+        advantages = core.grpo_advantages(exp.scores, mask, n, scale_by_std=c.scale_rewards)
+        return exp.with_(kl=kl, advantages=advantages)
 
     # ---------------------------------------------------------------------------------------- step 5
     def micro_batch_loss(self, exp: Experience, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,16 +265,27 @@ class PPOTrainer:
         mask = exp.response_mask[idx]
         with self.autocast():
             logits = policy_logits(self.policy, ids, am, pos, R, self.sampling.vocab_size)
-            vpred = response_slice(self.value(ids, am, pos), R)
+            vpred = response_slice(self.value(ids, am, pos), R) if self.value is not None else None
         # the entropy keeps its graph only when it is a loss term (ppo.ent_coef)
         new_logprobs, tok_entropy = core.logprobs_and_entropy(logits, exp.response_ids[idx], c.temperature,
                                                               entropy_grad=bool(c.ent_coef))
-        pg_loss, pg = core.policy_loss(new_logprobs, exp.logprobs[idx], exp.advantages[idx], mask, c.cliprange)
-        vf_loss, vf = core.value_loss(vpred, exp.values[idx], exp.returns[idx], mask, c.cliprange_value)
+        pg_loss, pg = core.policy_loss(new_logprobs, exp.logprobs[idx], exp.advantages[idx], mask, c.cliprange,
+                                       c.loss_aggregation)
         ent = core.masked_mean(tok_entropy, mask)
-        loss = pg_loss + c.vf_coef * vf_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
-        stats = torch.stack([pg_loss.detach(), vf_loss.detach(), pg["approxkl"], pg["clipfrac"], vf["clipfrac"],
-                             ent.detach(), pg["ratio"]])
+        zero = torch.zeros((), device=pg_loss.device)
+        vf_loss, vf_clipfrac, kl_loss = zero, zero, zero
+        if vpred is not None:
+            vf_loss, vf = core.value_loss(vpred, exp.values[idx], exp.returns[idx], mask, c.cliprange_value)
+            vf_clipfrac = vf["clipfrac"]
+            loss = pg_loss + c.vf_coef * vf_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
+        else:
+            loss = pg_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
+        if c.advantage == "grpo":  # [GRPO] eq. 3: + β·KL(π‖π_ref) per token, averaged as the policy loss is
+            kl_loss = core.aggregate_loss(core.kl_penalty(new_logprobs, exp.ref_logprobs[idx], c.kl_loss_estimator),
+                                          mask, c.loss_aggregation)
+            loss = loss + self.kl_ctl.value * kl_loss
+        stats = torch.stack([pg_loss.detach(), vf_loss.detach(), pg["approxkl"], pg["clipfrac"], vf_clipfrac,
+                             ent.detach(), pg["ratio"], kl_loss.detach()])
         return loss, stats
 
     def update(self, exp: Experience) -> dict[str, torch.Tensor]:
@@ -210,9 +294,10 @@ class PPOTrainer:
         c, sz, acc = self.c, self.sizes, self.acc
         steps = []
         self.policy.train()
-        self.value.train()
         self.unwrapped.eval()  # modules stay in eval mode (no dropout); train() above only flags DDP
-        acc.unwrap_model(self.value).eval()
+        if self.value is not None:
+            self.value.train()
+            acc.unwrap_model(self.value).eval()
         for _epoch in range(c.num_ppo_epochs):
             perm = torch.randperm(sz.local_batch_size, device=self.device)
             # per micro-batch, the prompt padding shared by all its rows is skipped (one host sync per epoch)
@@ -226,7 +311,8 @@ class PPOTrainer:
                     if k < sz.gradient_accumulation_steps - 1 and self.world > 1:
                         # gradients are all-reduced once per optimizer step, on the last micro-batch
                         sync.enter_context(acc.no_sync(self.policy))
-                        sync.enter_context(acc.no_sync(self.value))
+                        if self.value is not None:
+                            sync.enter_context(acc.no_sync(self.value))
                     with sync:
                         loss, stats = self.micro_batch_loss(exp, idx, starts[mb * sz.gradient_accumulation_steps + k])
                         acc.backward(loss / sz.gradient_accumulation_steps)
@@ -248,19 +334,23 @@ class PPOTrainer:
                 continue
             break  # target_kl reached: no more epochs
         self.policy.eval()
-        self.value.eval()
+        if self.value is not None:
+            self.value.eval()
         return dict(zip(STAT_KEYS, torch.stack(steps).unbind(-1)))
 
     # ---------------------------------------------------------------------------------------- step 6
     def metrics(self, exp: Experience, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Global means over all processes, named as TRL and the N+ details name them."""
-        gm, mask = self.global_mean, exp.response_mask
+        """Global means over all processes, named as TRL and the N+ details name them. Besides: each reward
+        source's mean (`reward/<name>`), the share of prompts whose n responses all got the same reward (they
+        teach a group estimator nothing: `reward/frac_zero_std`), and the share of responses cut at the length
+        limit without a stop token (`response/clipped_ratio`; 1 with fixed-length responses)."""
+        gm, mask, c = self.global_mean, exp.response_mask, self.c
         non_score = (-self.kl_ctl.value * exp.kl).sum(-1)
-        vstats = core.value_loss(exp.values, exp.values, exp.returns, mask, self.c.cliprange_value)[1]
         n_eos = exp.has_stop.float().sum()
-        m = {
-            "objective/scores": gm(exp.scores),
-            "objective/rm_scores": gm(exp.rm_scores),
+        m = {"objective/scores": gm(exp.scores)}
+        if exp.rm_scores is not None:
+            m["objective/rm_scores"] = gm(exp.rm_scores)
+        m.update({
             "objective/kl": gm(exp.kl.sum(-1)),
             "objective/entropy": gm(core.masked_sum(exp.entropy, mask, dim=-1)),
             "objective/non_score_reward": gm(non_score),
@@ -269,21 +359,31 @@ class PPOTrainer:
             "policy/clipfrac_avg": gm(stats["clipfrac"]),
             "policy/entropy_avg": gm(stats["entropy"]),
             "loss/policy_avg": gm(stats["pg_loss"]),
-            "loss/value_avg": gm(stats["vf_loss"]),
-            "val/clipfrac_avg": gm(stats["vf_clipfrac"]),
-            "val/explained_var": gm(vstats["explained_var"]),
+        })
+        if exp.values is not None:
+            vstats = core.value_loss(exp.values, exp.values, exp.returns, mask, c.cliprange_value)[1]
+            m.update({"loss/value_avg": gm(stats["vf_loss"]), "val/clipfrac_avg": gm(stats["vf_clipfrac"]),
+                      "val/explained_var": gm(vstats["explained_var"])})
+        if c.advantage == "grpo":
+            m["loss/kl_avg"] = gm(stats["kl_loss"])
+        m.update({
             "val/ratio": gm(stats["ratio"]),
             "val/num_eos_tokens": self.acc.reduce(n_eos, "sum") if self.world > 1 else n_eos,
             "response/length_mean": gm(mask.sum(-1)),
             "response/empty_rate": gm(exp.empty.float()),
-        }
+            "response/clipped_ratio": gm((~exp.has_stop).float()),
+        })
+        for name, part in (exp.source_scores or {}).items():
+            m[f"reward/{name}"] = gm(part)
+        if c.samples_per_prompt > 1:
+            m["reward/frac_zero_std"] = gm(core.group_zero_spread(exp.scores, c.samples_per_prompt).float())
         if self.ground_truth is not None:
-            m["objective/ground_truth_rate"] = gm(torch.tensor([float(self.ground_truth(t)) for t in exp.texts]))
+            m["objective/ground_truth_rate"] = gm(torch.tensor(self.ground_truth(exp.texts, exp.prompts, exp.rows)))
         return {k: float(v) for k, v in m.items()}
 
     def log(self, exp: Experience, metrics: dict[str, float]) -> None:
         """TensorBoard scalars every update, a sample table every `sample_every` updates (main process)."""
-        if self.writer is None:
+        if self.writer is None or not getattr(self.writer, "enabled", True):
             return
         update, episodes = self.progress.update, self.progress.episodes
         for k, v in metrics.items():
@@ -311,15 +411,15 @@ class PPOTrainer:
             state = {"update": self.progress.update, "episodes": self.progress.episodes,
                      "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                      "prompts_consumed": consumed, "metrics": self.progress.metrics}
-            checkpoint.save(path, self.unwrapped, self.acc.unwrap_model(self.value).model, self.tok, state,
-                            self.optimizer.state_dict(), rngs)
+            checkpoint.save(path, self.unwrapped, self.value_model(), self.tok, state, self.optimizer.state_dict(),
+                            rngs)
             self.hooks.on_save(path)
         self.acc.wait_for_everyone()
         return path
 
     def resume(self, path: Path) -> None:
         """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG."""
-        st = checkpoint.load(path, self.unwrapped, self.acc.unwrap_model(self.value).model, self.rank)
+        st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank)
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.kl_ctl.load_state_dict(st["kl_ctl"])

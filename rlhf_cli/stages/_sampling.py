@@ -21,6 +21,19 @@ def prompts(cfg, tok, split: str, limit: int | None = None) -> tuple[list[str], 
     return [D.prompt_text(tok, ex.prompt, thinking, templ) for ex in examples], examples
 
 
+def rows(examples) -> list[dict]:
+    """The extra fields of each example's data row (what a reward function or ground-truth checker may ask for
+    by name, e.g. a reference answer); {} for data without any."""
+    return [dict(getattr(ex, "extra", None) or {}) for ex in examples]
+
+
+def ground_truth(cfg, examples=()):
+    """`data.ground_truth` loaded (`rlhf_cli.ppo.rewards.GroundTruth`), or None when the data has none."""
+    from rlhf_cli.ppo.rewards import GroundTruth
+
+    return GroundTruth.load(cfg.data.get("ground_truth"), {k for r in rows(examples) for k in r})
+
+
 def stop_ids(cfg, tok) -> tuple[int, ...]:
     """`ppo.stop_token`: eos (plus `ppo.stop_token_ids`) ends a response; null: fixed-length responses."""
     if cfg.ppo.stop_token == "eos":  # the schema allows eos or null

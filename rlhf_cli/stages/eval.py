@@ -1,9 +1,10 @@
 """`rlhf eval`: compare policies (by default the run's SFT and PPO) on held-out prompts.
 
 For each policy: mean reward-model score, mean KL to the reference (the SFT policy: k1 summed over the
-response, on the policy's own samples), response length, EOS and empty rates, and the rule-based ground-truth
-rate where the data defines one. Across policies: the RM win rate of PPO over SFT on the same prompts, and
-where the RM and the ground truth disagree (reward hacking shows up there first).
+response, on the policy's own samples), response length, EOS and empty rates, and the ground-truth rate where
+the data defines a checker (`data.ground_truth`: `demo_polite`, or any `module:function` returning a bool or a
+number in [0, 1]). Across policies: the RM win rate of PPO over SFT on the same prompts, and where the RM and
+the ground truth disagree (reward hacking shows up there first).
 
 Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
 ground-truth verdict) and training_curves.png (from the PPO TensorBoard events).
@@ -29,7 +30,7 @@ from rlhf_cli.stages import _sampling
 
 log = logging.getLogger("rlhf")
 
-CURVES = [("objective/scores", "RM score (normalised)"), ("objective/ground_truth_rate", "ground-truth rate"),
+CURVES = [("objective/scores", "score (ppo.reward)"), ("objective/ground_truth_rate", "ground-truth rate"),
           ("objective/kl", "KL to reference (nats/seq)"), ("objective/entropy", "entropy (nats/seq)"),
           ("response/length_mean", "response length (tokens)"), ("loss/value_avg", "value loss")]
 
@@ -59,13 +60,15 @@ def _mean(xs) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
-def summarise(s: dict, gt) -> dict:
+def summarise(s: dict) -> dict:
+    """One policy's row. With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5):
+    its mean, the RM score on passing and failing responses, and how often the RM and the checker disagree."""
     row = {"rm_score_mean": _mean(s["rm_score"]), "kl_to_ref_mean": _mean(s["kl"]),
            "response_length_mean": _mean(s["length"]), "eos_rate": _mean([float(x) for x in s["eos"]]),
            "empty_rate": _mean([float(x) for x in s["empty"]]), "ground_truth_rate": None}
-    if gt is not None:
-        ok = [gt(t) for t in s["texts"]]
-        row["ground_truth_rate"] = _mean([float(x) for x in ok])
+    if s.get("ground_truth") is not None:
+        row["ground_truth_rate"] = _mean([float(x) for x in s["ground_truth"]])
+        ok = [x >= 0.5 for x in s["ground_truth"]]
         bad = [r for r, g in zip(s["rm_score"], ok) if not g]
         good = [r for r, g in zip(s["rm_score"], ok) if g]
         # reward hacking: responses the checker rejects but the RM scores like the ones it accepts
@@ -124,8 +127,11 @@ def markdown(report: dict) -> str:
     lines += [f"| {k} | " + " | ".join(fmt(pols[p].get(k)) for p in pols) + " |" for k in keys]
     lines += [""] + [f"- win rate {k.replace('_vs_', ' over ')} (reward model): **{v:.3f}**"
                      for k, v in report["win_rate"].items()]
-    lines += ["", "rm_gt_disagreement: share of responses where the reward model (score above the mean score of "
-              "responses the checker accepts) and the rule-based checker disagree.", ""]
+    if report.get("ground_truth"):
+        lines += ["", f"ground truth: `{report['ground_truth']}` (data.ground_truth); rm_gt_disagreement: share of "
+                  "responses where the reward model (score above the mean score of responses the checker accepts) "
+                  "and the checker disagree."]
+    lines += [""]
     if report.get("plot"):
         lines += [f"![training curves]({report['plot']})", ""]
     lines += ["## Samples", ""]
@@ -153,9 +159,7 @@ def run(cfg) -> None:
     if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
         raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({ref_dir})")
     prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
-    gt = None
-    if cfg.data.get("ground_truth") == "demo_polite":
-        from rlhf_cli.demo import is_polite as gt
+    gt, rows = _sampling.ground_truth(cfg, evals), _sampling.rows(evals)
 
     rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model)
     check_finite(rm_model, "the reward model", reward_dir)
@@ -169,12 +173,16 @@ def run(cfg) -> None:
     for name, path in policy_dirs.items():
         policy = load_policy(path, storage, cfg.model, base_dir=ref_dir).to(device).eval()
         results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(cfg.seed), autocast, bar)
+        if gt is not None:
+            results[name]["ground_truth"] = gt(results[name]["texts"], prompts, rows)
         del policy
         log.info("eval: %s done", name)
     bar.close()
 
     report = {"num_prompts": len(prompts), "reward_dir": str(reward_dir), "reference": str(ref_dir),
-              "policies": {n: summarise(s, gt) for n, s in results.items()}, "win_rate": {}, "samples": {}}
+              "policies": {n: summarise(s) for n, s in results.items()}, "win_rate": {}, "samples": {}}
+    if gt is not None:
+        report["ground_truth"] = gt.spec
     names = list(results)
     for a in names:
         for b in names:
@@ -196,7 +204,7 @@ def run(cfg) -> None:
                     row = {"policy": n, "prompt": ex.prompt[-1]["content"], "response": s["texts"][i],
                            "rm_score": s["rm_score"][i], "kl": s["kl"][i]}
                     if gt is not None:
-                        row["ground_truth"] = bool(gt(s["texts"][i]))
+                        row["ground_truth"] = s["ground_truth"][i]
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
         (out / "report.md").write_text(markdown(report), encoding="utf-8")
     for n, row in report["policies"].items():

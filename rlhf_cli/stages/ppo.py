@@ -1,12 +1,13 @@
 """`rlhf ppo`: PPO-RLHF with a LoRA policy, the frozen base as reference (adapter disabled), a separate value
-model and a frozen reward model. The algorithm is `rlhf_cli.ppo` (trainer, experience, core); this stage composes
-it from the config, runs it, and publishes the result.
+model (gae; the critic-free estimators grpo, rloo and reinforce_pp have none) and the reward of `ppo.reward`: a
+frozen reward model, Python functions, or a weighted sum of them. The algorithm is `rlhf_cli.ppo` (trainer,
+experience, core, rewards); this stage composes it from the config, runs it, and publishes the result.
 
 Outputs (`ppo.output_dir`): the LoRA adapter at the top (`AutoPeftModelForCausalLM.from_pretrained` loads it),
-the tokenizer, value/ (value model), checkpoints/checkpoint-N/ (what trains, optimizer, scheduler, RNG state,
-counters; no pickle), tensorboard/, metrics.json, and merged/ with `merge=true`. The run is built in the hidden
-sibling `.<name>.partial` and moved into place at the end, so a failed run never replaces an earlier good output;
-`ppo.resume=true` continues the partial run from its latest checkpoint.
+the tokenizer, value/ (value model; gae only), checkpoints/checkpoint-N/ (what trains, optimizer, scheduler,
+RNG state, counters; no pickle), tensorboard/, metrics.json, and merged/ with `merge=true`. The run is built in
+the hidden sibling `.<name>.partial` and moved into place at the end, so a failed run never replaces an earlier
+good output; `ppo.resume=true` continues the partial run from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import check_output_dir, publish, read_json, write_json
 from rlhf_cli.models import build_ppo_models, check_vocab, load_tokenizer, merge_lora, resolve_precision, setup_torch
 from rlhf_cli.ppo import checkpoint
-from rlhf_cli.ppo.config import PPOConfig
+from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
+from rlhf_cli.ppo.rewards import RewardFunction
 from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
+from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
 
@@ -49,7 +52,6 @@ def work_dir(out: Path, resume: bool) -> Path:
 def run(cfg, hooks: Hooks | None = None) -> dict:
     setup_torch(cfg)
     from accelerate import Accelerator
-    from torch.utils.tensorboard import SummaryWriter
     from tqdm.auto import tqdm
 
     from rlhf_cli.launch import accelerator_kwargs
@@ -58,19 +60,23 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     c = PPOConfig.from_cfg(p)
     acc = Accelerator(**accelerator_kwargs(cfg.device))
     sizes = ppo_sizes(p, acc.num_processes)
+    c.check(sizes.local_batch_size)
     storage, compute = resolve_precision(cfg)
 
-    # ---- models, tokenizer, prompts, sampling
+    # ---- tokenizer, prompts, reward functions and ground truth (a broken one fails before any model loads)
     policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
     tok = load_tokenizer(policy_dir, cfg.model)
+    prompts, examples = _sampling.prompts(cfg, tok, "train")
+    rows = _sampling.rows(examples)
+    extra = {k for r in rows for k in r}
+    functions = {spec: RewardFunction.load(spec, extra) for spec in c.reward if spec != REWARD_MODEL}
+    gt = _sampling.ground_truth(cfg, examples)
+
+    # ---- models, sampling
     models = build_ppo_models(cfg, tok, acc.device, storage)
-    prompts, _ = _sampling.prompts(cfg, tok, "train")
     vocab = check_vocab(tok, models.policy, policy_dir)
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
     sampling = _sampling.sampling(cfg, tok, vocab, recompute)
-    gt = None
-    if cfg.data.get("ground_truth") == "demo_polite":
-        from rlhf_cli.demo import is_polite as gt
 
     # ---- output / resume
     out = Path(p.output_dir)
@@ -78,10 +84,11 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
         work_dir(out, bool(p.resume))
     acc.wait_for_everyone()
     work = out.parent / f".{out.name}.partial"
-    writer = SummaryWriter(str(work / "tensorboard")) if acc.is_main_process else None
+    writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)  # TensorBoard, and wandb if asked
     trainer = PPOTrainer(c, sizes, models, tok, PromptStream(prompts, int(cfg.seed), acc.process_index,
-                                                             acc.num_processes),
-                         sampling, acc, work, compute_dtype=compute, ground_truth=gt, writer=writer, hooks=hooks)
+                                                             acc.num_processes, rows),
+                         sampling, acc, work, compute_dtype=compute, ground_truth=gt, writer=writer, hooks=hooks,
+                         reward_functions=functions)
     if p.resume:
         ckpt = checkpoint.latest(work / "checkpoints")
         trainer.resume(ckpt)
@@ -94,6 +101,9 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
              c.learning_rate, c.kl_coef, models.value_source, str(storage).replace("torch.", ""),
              str(compute).replace("torch.", "") if compute else "float32",
              ", log-probs recomputed" if recompute else "")
+    if c.advantage != "gae" or c.samples_per_prompt > 1 or c.reward != (REWARD_MODEL,):
+        log.info("ppo: advantage %s, %d response(s) per prompt; reward %s", c.advantage, c.samples_per_prompt,
+                 " + ".join(f"{w:g}·{spec}" for spec, w in zip(c.reward, c.weights())))
     bar = tqdm(total=sizes.num_updates * sizes.batch_size, initial=trainer.progress.episodes, unit="ep",
                desc="ppo", disable=not acc.is_main_process, dynamic_ncols=True)
     user_on_update = trainer.hooks.on_update
@@ -102,9 +112,11 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
         bar.update(sizes.batch_size)
         if acc.is_main_process and (update % max(c.logging_steps, 1) == 0 or update == sizes.num_updates):
             gt_s = f" gt {m['objective/ground_truth_rate']:.2f}" if gt else ""
+            vf_s = f" vf {m['loss/value_avg']:.3f}" if "loss/value_avg" in m else ""
+            zero_s = f" zero-std {m['reward/frac_zero_std']:.2f}" if "reward/frac_zero_std" in m else ""
             bar.write(f"update {update}/{sizes.num_updates} ep {m['episodes']} score {m['objective/scores']:+.2f}"
                       f" kl {m['objective/kl']:.2f}{gt_s} len {m['response/length_mean']:.1f}"
-                      f" pg {m['loss/policy_avg']:+.3f} vf {m['loss/value_avg']:.3f}"
+                      f" pg {m['loss/policy_avg']:+.3f}{vf_s}{zero_s}"
                       f" clip {m['policy/clipfrac_avg']:.2f} eps {m['eps']:.1f}")
         user_on_update(update, m)
 
@@ -124,7 +136,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     if acc.is_main_process:
         checkpoint.save_model(trainer.unwrapped, work)
         tok.save_pretrained(str(work))
-        checkpoint.save_model(acc.unwrap_model(trainer.value).model, work / "value")
+        if trainer.value is not None:
+            checkpoint.save_model(trainer.value_model(), work / "value")
         if p.merge and p.lora.enabled:
             import copy
 
@@ -134,7 +147,9 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
         total = time.perf_counter() - t_start
         summary = {**metrics, "updates": sizes.num_updates, "total_episodes": trainer.progress.episodes,
                    "train_seconds": round(total, 2), "world_size": acc.num_processes,
-                   "policy_dir": str(Path(p.policy_dir).resolve()), "reward_dir": str(Path(p.reward_dir).resolve())}
+                   "policy_dir": str(Path(p.policy_dir).resolve()),
+                   "reward_dir": str(Path(p.reward_dir).resolve()) if c.uses_reward_model else None,
+                   "advantage": c.advantage, "reward": list(c.reward)}
         write_json(work / "metrics.json", summary)
         writer.close()
         publish(work, out)
