@@ -73,10 +73,12 @@ def doctor_plans(ov: list[str]) -> dict[str, float]:
     """GiB per process that `rlhf doctor` plans for sft, reward and ppo with these overrides."""
     from rlhf_cli import memory
     from rlhf_cli.config import compose
+    from rlhf_cli.stages.doctor import data_lengths
 
     cfg = compose("doctor", ov)
     arch = memory.arch_for_model(cfg.model)[0]
-    return {st: memory.plan_stage(cfg, st, arch).peak / 1024 ** 3 for st in ("sft", "reward", "ppo")}
+    setup = memory.setup_from(cfg, 0, data_lengths(cfg))  # the data's lengths, as `rlhf doctor` plans
+    return {st: memory.plan_stage(cfg, st, arch, setup).peak / 1024 ** 3 for st in ("sft", "reward", "ppo")}
 
 
 def changed_share(run_dir: Path) -> dict[str, float]:

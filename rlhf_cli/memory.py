@@ -7,27 +7,52 @@ Parameters (Qwen3 / Llama-style decoder: RMSNorm, grouped-query attention, SwiGL
     embeddings V·h; per layer q h·(n_h·d) + k, v h·(n_kv·d) each + o (n_h·d)·h + MLP 3·h·i + norms 2h (+ 2d
     q/k norms); final norm h; LM head V·h unless tied. The reward / value model is the same backbone with a
     1-output score head (h) instead of the LM head. LoRA adds r·(in + out) per adapted linear layer
-    ("all-linear": q, k, v, o, gate, up, down; the LM head only when named), kept in fp32 by peft.
+    ("all-linear": q, k, v, o, gate, up, down; the LM head only when named, and never on a value model).
 
-Training state, per trainable parameter (p = bytes of the trainable weights)
-    gradients p (DDP adds its communication buckets: p again); AdamW exp_avg + exp_avg_sq: 2p (torch keeps
-    them in the parameter dtype); DeepSpeed keeps fp32 states and, with 16-bit weights, an fp32 master copy:
-    8 + 4 bytes. ZeRO-1/2 divide optimizer states (and ZeRO-2 the gradients) by the number of processes,
-    ZeRO-3 and FSDP divide weights, gradients and states; offload moves states (and ZeRO-3 parameters) to CPU
-    memory.
+Precision (models.resolve_precision)
+    `model.dtype` (wb) stores FROZEN weights: the PPO policy's base (with its adapter disabled, also the
+    reference), the reward model, a LoRA value model's trunk. `device.mixed_precision` (cb) is the compute
+    dtype of activations and logits (autocast). Every TRAINABLE parameter is fp32 with fp32 gradients and
+    AdamW states, 4 + 4 + 8 bytes, so a full fine-tune stores fp32 weights even when model.dtype is bf16;
+    under autocast each training step also holds a cb copy of every trainable weight (cast once per forward,
+    kept for its backward). DDP adds its communication buckets (4 bytes per trainable parameter). DeepSpeed
+    runs the module in the compute dtype and keeps an fp32 master copy and fp32 states: cb + cb + 12 bytes.
+    ZeRO-1/2 divide optimizer states (and ZeRO-2 the gradients) by the number of processes, ZeRO-3 and FSDP
+    divide weights, gradients and states; offload moves states (and ZeRO-3 parameters) to CPU memory.
 
-Activations kept for the backward pass, per token per decoder layer, in elements (q = n_h·d, kv = n_kv·d)
-    attention: norm input and output 2h, q/k before and after their norms 2(q + kv), v kv, rotated q/k q + kv,
-    attention output q, o-projection input q                              -> 2h + 5q + 4kv
-    MLP: norm input and output 2h, gate, SiLU(gate), up, product 4i        -> 2h + 4i
-    so a = 4h + 5q + 4kv + 4i (SDPA kernels keep no T×T score matrix; eager attention would add n_h·T).
-    With activation checkpointing only each layer's input (h) is kept, plus one layer's full set during
-    recomputation. Times micro-batch × sequence length × layers × bytes of the compute dtype.
-Logits: B·T·V for the LM head output, plus its fp32 copy and log-softmax for the loss (4 + 4 bytes).
+Activations kept for the backward pass, per token per decoder layer, in bytes (q = n_h·d, kv = n_kv·d),
+measured with saved-tensor hooks on the tiny shape (within 3% for fp32, bf16 autocast, full and LoRA):
+    RMSNorm inputs (2 layer norms, per-head q/k norms): Qwen3's RMSNorm upcasts its input to fp32 and
+      keeps that copy, whatever the compute dtype                                   4·(2h + q + kv)
+    linear-layer inputs, for layers with a trained weight or a LoRA adapter: in fp32 compute one tensor
+      per distinct input (2h + q + i); under autocast each adapted layer keeps its own cast copy (peft casts
+      the input to the fp32 adapter, autocast casts it back: Σ in), and a full fine-tune's q/k/v and
+      gate/up each cast the fp32 norm output (5h + q + i)                           × cb
+    attention: rotated q, k and v repeated to every head (transformers' SDPA path repeats them when there
+      is a padding mask), output: 4q; under autocast also the mask, cast per layer: T  × cb
+    MLP: gate, SiLU(gate), up (their product is the down projection's input): 3i  × cb
+    trained norm weights (full fine-tune): the normalised tensors, 2h in the residual stream's dtype
+      (fp32 trainable weights: 4) and q + kv at cb
+    LoRA: each adapter's A output, r per adapted layer                              × cb
+    SDPA kernels keep no T×T score matrix. With activation checkpointing only each layer's input (h, in the
+    residual stream's dtype) is kept, plus one layer's full set during recomputation. Times micro-batch ×
+    sequence length × layers.
+Logits. SFT (trl's fused LM head): tiles of at most 4096 tokens × 32768 vocabulary entries at cb, never the
+whole (B, T, V) tensor (fused_head_bytes). PPO: the LM head runs on the response positions only, at cb; a
+training step runs the policy (activations, logits, and the fp32 log-softmax and entropy temporaries while
+`ppo.core.logprobs_and_entropy` runs: logit_temporaries, measured) and its backward before the value model, so
+its peak is the larger of the two.
 Generation (PPO rollout, no gradients) of F sequences of S = prompt + response tokens
-    KV cache 2·L·n_kv·d·F·S; the R sampled steps' logits (F·R·V) stacked, and the temperature-scaled,
-    log-softmax and entropy temporaries of the log-prob pass: 5·F·R·V·4 bytes; with a LoRA policy, the merged
-    copy of each adapted weight that sampling runs on.
+    sampling: KV cache 2·L·n_kv·d·F·S at cb, one step's (F, V) logits with their fp32 log-softmax,
+    probabilities, entropy and the float64 CDF of the draw (cb + 32 B each), and with a LoRA policy the
+    merged copy (W + B·A, in model.dtype) of each adapted weight that sampling runs on; scoring: the
+    reference's (F, R, V) logits with the log-sum-exp temporaries (cb + 8), or, when the old log-probs are
+    recomputed (`ppo.recompute_logprobs`), the log-softmax and entropy temporaries (logit_temporaries), and
+    one layer's working set.
+
+Sequence lengths: every batch is padded to its longest row, so a stage's peak follows the longest row it
+meets. `rlhf doctor` tokenizes the training data with the model's tokenizer when both are on this machine
+(`Lengths`); otherwise the plan takes the configured maxima (data.max_prompt_length, <stage>.max_length).
 
 Runtime overhead (measured, see RUNTIME_OVERHEAD_MIB and ALLOCATOR_SLACK): on the CPU, what a stage allocates
 besides tensors (library code imported on first use, tokenizer, data, thread pools) and glibc's habit of
@@ -46,12 +71,15 @@ GiB = 2**30
 MiB = 2**20
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# Measured on a 2-core CPU box with the tiny recipe (torch 2.13, transformers 5.24, trl 1.16, 1 thread) with
-# tests/rss_probe.py: peak RSS growth (after the stage's imports) of a run with micro-batch 1 and the shortest
-# lengths, minus its tensors (models, optimizer) - what a run allocates that no term above counts: library
-# code imported on first use, tokenizer, data and datasets, the trainer, thread pools. GPUs: CUDA context and
-# the caching allocator's reserve, an assumption (no GPU to measure here).
-RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 97, "reward": 63, "ppo": 118},
+# Measured on a 2-core CPU box with the tiny recipe (torch 2.13, transformers 5.24, trl 1.16, peft 0.21,
+# 1 thread) with tests/rss_probe.py: peak RSS growth (after the stage's imports) minus the static tensors and
+# the slack on the transient ones, fitted over runs of the recipe (sft and reward 5 steps, a full epoch, and
+# micro-batch 1; ppo 8, 128 and 512 episodes; runs of one configuration differ by up to ±20 MiB) - what a run
+# allocates that no term above counts: library code imported on first use, tokenizer, data and datasets, the
+# trainer, thread pools. They follow the stages' code: re-measure when a stage changes what it allocates
+# (tests/test_doctor.py's slow test compares every stage with its plan).
+# GPUs: CUDA context and the caching allocator's reserve, an assumption (no GPU to measure here).
+RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 100, "reward": 50, "ppo": 105},
                         "cuda": {"sft": 768, "reward": 768, "ppo": 768}}
 # Peak RSS / peak live transient tensors: glibc's malloc raises its mmap threshold after frees, so freed
 # activation and logits buffers stay resident (measured 1.9-2.2 on the tiny PPO runs). PyTorch's CUDA caching
@@ -122,8 +150,10 @@ def arch_for_model(model_cfg) -> tuple[Arch, str]:
     name = str(model_cfg.name_or_path)
     if name == "tiny":
         t = model_cfg.tiny
-        # the tokenizer trained on the demo data can come out a little smaller than vocab_size: an upper bound
-        return Arch(int(t.vocab_size), int(t.hidden_size), int(t.intermediate_size), int(t.num_hidden_layers),
+        # the tokenizer trained on the demo data can come out a little smaller than vocab_size: an upper bound;
+        # embedding_rows, when set, is the model's vocabulary (the logits have that many entries)
+        rows = int(t.get("embedding_rows") or t.vocab_size)
+        return Arch(rows, int(t.hidden_size), int(t.intermediate_size), int(t.num_hidden_layers),
                     int(t.num_attention_heads), int(t.num_key_value_heads), int(t.head_dim), True), \
             "model.tiny (conf/model/tiny.yaml)"
     local = Path(name).expanduser() / "config.json"
@@ -138,6 +168,11 @@ def arch_for_model(model_cfg) -> tuple[Arch, str]:
     raise ValueError(f"no config.json for {name} (not a local directory, not in the hub caches) and it is "
                      f"not in the built-in table ({', '.join(KNOWN_ARCHS)}); point model.name_or_path at a "
                      "model directory")
+
+
+def cached_model_dirs(name: str, cache_dir: str | None = None) -> list[Path]:
+    """Directories of a hub id's snapshots in the local caches (their config.json found; no network)."""
+    return [f.parent for f in _cached_config_files(name, cache_dir)]
 
 
 # --------------------------------------------------------------------------------------------- parameters
@@ -163,18 +198,97 @@ def seq_cls_params(a: Arch) -> int:
     return backbone_params(a) + a.hidden_size  # score head, 1 output, no bias
 
 
+def lora_targets(target_modules) -> tuple[str, ...]:
+    """The module names a LoRA `target_modules` value adapts ("all-linear": every decoder linear layer)."""
+    if str(target_modules) == "all-linear":
+        return LORA_TARGETS
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    return tuple(str(t) for t in names)
+
+
 def lora_params(a: Arch, r: int, target_modules) -> int:
-    targets = LORA_TARGETS if str(target_modules) == "all-linear" else \
-        [t for t in ([target_modules] if isinstance(target_modules, str) else list(target_modules))]
+    targets = lora_targets(target_modules)
     shapes = linear_shapes(a)
     per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
     head = r * (a.hidden_size + a.vocab_size) if "lm_head" in targets else 0  # the output layer, once
     return a.num_hidden_layers * per_layer + head
 
 
-def activation_elements_per_token_layer(a: Arch) -> int:
-    """a = 4h + 5q + 4kv + 4i (see the module docstring)."""
-    return 4 * a.hidden_size + 5 * a.q_dim + 4 * a.kv_dim + 4 * a.intermediate_size
+def adapted_weight_params(a: Arch, target_modules) -> int:
+    """Parameters of the weights a LoRA adapts (what merging W + B·A copies)."""
+    targets = lora_targets(target_modules)
+    shapes = linear_shapes(a)
+    n = a.num_hidden_layers * sum(shapes[t][0] * shapes[t][1] for t in targets if t in shapes)
+    return n + (a.hidden_size * a.vocab_size if "lm_head" in targets else 0)
+
+
+def activation_bytes_per_token_layer(a: Arch, cb: int, *, trainable: bool, lora: tuple[str, ...] = (),
+                                     r: int = 0, cast: bool | None = None, residual_bytes: int = 4,
+                                     seq: int = 0) -> float:
+    """Bytes one decoder layer keeps for the backward pass per token (see the module docstring).
+
+    cb: compute dtype bytes; trainable: the layer's own weights train (full fine-tune), else they are frozen
+    and `lora` names the adapted layers (rank r); cast: layers cast their inputs (autocast over fp32 weights
+    or adapters; default: cb < 4); residual_bytes: dtype of the residual stream; seq: sequence length (the
+    padding mask that autocast casts per layer)."""
+    h, q, kv, i = a.hidden_size, a.q_dim, a.kv_dim, a.intermediate_size
+    cast = cb < 4 if cast is None else cast
+    shapes = linear_shapes(a)
+    adapted = () if trainable else tuple(t for t in lora if t in shapes)
+    norm_inputs = 4 * (2 * h + (q + kv if a.qk_norm else 0))
+    extra = 0.0
+    if trainable:
+        inputs = (5 * h if cast else 2 * h) + q + i
+        extra = residual_bytes * 2 * h + cb * (q + kv if a.qk_norm else 0)
+    elif cast:
+        inputs = sum(shapes[t][0] for t in adapted)
+    else:
+        # one tensor feeds q/k/v, another gate/up
+        groups = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+        inputs = sum(shapes[t][0] for t in {groups.get(t, t): t for t in adapted}.values())
+    per = cb * (inputs + 4 * q + 3 * i + r * len(adapted) + (seq if cast else 0))
+    return norm_inputs + extra + per
+
+
+def _activations(a: Arch, batch: int, seq: int, cb: int, checkpointing: bool = False, **kw) -> float:
+    """Activations of a micro-batch of `batch` sequences of `seq` tokens (kw: see
+    activation_bytes_per_token_layer)."""
+    per = activation_bytes_per_token_layer(a, cb, seq=seq, **kw)
+    if checkpointing:
+        return batch * seq * (a.num_hidden_layers * a.hidden_size * kw.get("residual_bytes", 4) + per)
+    return batch * seq * a.num_hidden_layers * per
+
+
+def logit_temporaries(cb: int) -> int:
+    """Bytes per logit that `ppo.core.logprobs_and_entropy` adds to the logits while it runs (measured):
+    fp32 compute keeps the temperature-scaled copy, the log-softmax, exp and their product (16); 16-bit
+    compute an fp32 upcast, the softmax and the product (the log-sum-exp goes row by row) (12)."""
+    return 16 if cb >= 4 else 12
+
+
+# trl's fused LM head (SFTTrainer, trl.kernels.chunked_logprob): logits in tiles of at most this many tokens ×
+# vocabulary entries, never the whole (tokens, V) tensor
+FUSED_TILE = (4096, 32768)
+
+
+def fused_head_bytes(a: Arch, tokens: int, cb: int, accelerator: str, training: bool,
+                     head_trainable: bool) -> float:
+    """Peak bytes of trl's fused LM head over `tokens` positions: one compute-dtype tile; on the CPU (its
+    torch fallback) the tile's fp32 temporaries too, measured in the tiny recipe's SFT runs at 10 B per tile
+    element in an evaluation and 20 B in a training step; on a GPU a Triton kernel folds the tile in place. A training step adds the fp32
+    gradient accumulators of the hidden states and, when the LM head trains, of its weight."""
+    tile = min(tokens, FUSED_TILE[0]) * min(a.vocab_size, FUSED_TILE[1])
+    per = cb if accelerator == "cuda" else cb + (20 if training else 10)
+    grads = 4 * a.hidden_size * (tokens + (a.vocab_size if head_trainable else 0)) if training else 0
+    return tile * per + grads
+
+
+def layer_working_bytes(a: Arch, cb: int) -> float:
+    """Bytes per token of one decoder layer in a forward without gradients (evaluation, PPO scoring): the
+    residual and the fp32 normalised input (h·(cb + 4)), and the larger of attention (q, repeated k and v,
+    output: 4q) and the MLP (gate, up, their product: 3i)."""
+    h, q, i = a.hidden_size, a.q_dim, a.intermediate_size
+    return h * (cb + 4) + cb * max(4 * q, 3 * i)
 
 
 # ------------------------------------------------------------------------------------------------- the plan
@@ -194,6 +308,7 @@ class StagePlan:
     overhead: float = 0.0
     slack: float = 1.0
     notes: list[str] = field(default_factory=list)
+    checkpoint: float = 0.0  # bytes of one training checkpoint on disk (0: the stage writes none)
 
     @property
     def static(self) -> float:
@@ -218,6 +333,16 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class Lengths:
+    """Token lengths of the training data (rendered as the stages render it), when `rlhf doctor` could read
+    it and its tokenizer here; None: the plan takes the configured maximum."""
+    prompt: int | None = None   # longest training prompt (chat template + assistant header)
+    sft: int | None = None      # longest SFT row: prompt + answer + EOS (with sft_on_rejected, rejected too)
+    reward: int | None = None   # longest chosen or rejected sequence of the reward data
+    source: str = "no data read"  # what was tokenized, with what; or why nothing was
+
+
+@dataclass(frozen=True)
 class Setup:
     """What the plan depends on besides the architecture (read from the composed config by `setup_from`)."""
     accelerator: str = "cpu"          # cpu | cuda
@@ -227,27 +352,64 @@ class Setup:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
-    weight_bytes: int = 4             # dtype the weights load in
-    compute_bytes: int = 4            # activations / logits dtype
+    frozen_bytes: int = 4             # model.dtype: storage of frozen weights
+    compute_bytes: int = 4            # device.mixed_precision: activations / logits
     dtype_name: str = "float32"
+    compute_name: str = "fp32"
+    lengths: Lengths = Lengths()
 
 
-def setup_from(cfg, visible_gpus: int = 0) -> Setup:
-    """`device.num_processes=auto` plans for the visible GPUs (8 when none is visible here)."""
-    d, m = cfg.device, cfg.model
-    acc = str(d.accelerator)
-    dtype = str(m.dtype)
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
+
+
+def precision(cfg) -> tuple[str, str]:
+    """(frozen-weight dtype, compute dtype) names as models.resolve_precision resolves them, for the device
+    the recipe names: auto is bf16 on a GPU (fp16 on one without bf16: the same size), fp32 on the CPU; fp32
+    compute over 16-bit frozen weights runs at their dtype."""
+    acc = str(cfg.device.accelerator)
+    dtype = str(cfg.model.dtype)
     if dtype in ("auto", "None"):
         dtype = "bfloat16" if acc == "cuda" else "float32"
-    wb = 4 if dtype == "float32" else 2
+    mp = str(cfg.device.get("mixed_precision") or "auto")
+    compute = {"auto": "bf16" if acc == "cuda" else "fp32", "no": "fp32"}.get(mp, mp)
+    if compute == "fp32" and DTYPE_BYTES.get(dtype, 4) < 4:
+        compute = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    return dtype, compute
+
+
+def setup_from(cfg, visible_gpus: int = 0, lengths: Lengths | None = None) -> Setup:
+    """`device.num_processes=auto` plans for the visible GPUs (8 when none is visible here)."""
+    d = cfg.device
+    dtype, compute = precision(cfg)
     n = d.num_processes
     per_machine = (visible_gpus or 8) if str(n) == "auto" else int(n)
     strategy = str(d.get("strategy") or "single")
     zero = int(d.get("zero_stage") or 0) if strategy == "deepspeed" else 0
-    return Setup(accelerator=acc, strategy=strategy, world=per_machine * int(d.get("num_machines") or 1),
-                 per_machine=per_machine, zero_stage=zero, offload_optimizer=bool(d.get("offload_optimizer")),
-                 offload_params=bool(d.get("offload_params")), weight_bytes=wb, compute_bytes=wb,
-                 dtype_name=dtype)
+    return Setup(accelerator=str(d.accelerator), strategy=strategy,
+                 world=per_machine * int(d.get("num_machines") or 1), per_machine=per_machine,
+                 zero_stage=zero, offload_optimizer=bool(d.get("offload_optimizer")),
+                 offload_params=bool(d.get("offload_params")),
+                 frozen_bytes=DTYPE_BYTES.get(dtype, 4), compute_bytes=DTYPE_BYTES.get(compute, 4),
+                 dtype_name=dtype, compute_name=compute, lengths=lengths or Lengths())
+
+
+def prompt_tokens(cfg, s: Setup) -> tuple[int, str]:
+    """(prompt length the plan uses, what it is): the data's longest prompt, else data.max_prompt_length
+    (longer prompts are dropped by the stages, so it caps the data's figure too)."""
+    cap = int(cfg.data.max_prompt_length)
+    if s.lengths.prompt is None:
+        return cap, f"data.max_prompt_length={cap}"
+    return min(s.lengths.prompt, cap), f"the data's longest prompt; data.max_prompt_length={cap} caps it"
+
+
+def sequence_tokens(cfg, stage: str, s: Setup) -> tuple[int, str]:
+    """(sequence length the plan uses for sft / reward, what it is): the data's longest row cut at
+    <stage>.max_length, else <stage>.max_length."""
+    cap = int(cfg[stage].max_length)
+    n = {"sft": s.lengths.sft, "reward": s.lengths.reward}[stage]
+    if n is None:
+        return cap, f"{stage}.max_length={cap}"
+    return min(n, cap), f"the data's longest row; {stage}.max_length={cap} caps it"
 
 
 def _shards(s: Setup) -> tuple[int, int, int]:
@@ -261,70 +423,89 @@ def _shards(s: Setup) -> tuple[int, int, int]:
     return 1, 1, 1
 
 
-def _train_state(plan: StagePlan, s: Setup, trainable: float, tbytes: int, label: str) -> None:
-    """Gradients and AdamW states of `trainable` parameters stored in `tbytes` bytes each."""
-    _, g_div, o_div = _shards(s)
-    grads = trainable * tbytes / g_div
-    plan.items.append(Item(f"gradients ({label})", grads, f"{trainable / 1e6:.2f}M × {tbytes} B"
-                           + (f" / {g_div}" if g_div > 1 else "")))
-    if s.strategy == "ddp" and s.world > 1:
-        plan.items.append(Item("DDP gradient buckets", trainable * tbytes,
-                               "a second gradient copy for all-reduce"))
+def _div(n: int) -> str:
+    return f" / {n}" if n > 1 else ""
+
+
+def _trainable(plan: StagePlan, s: Setup, name: str, params: float, label: str) -> float:
+    """Weights, gradients and AdamW states of `params` trainable parameters. Returns the bytes of the
+    compute-dtype copies autocast makes of them for a training step (0 without autocast)."""
+    w_div, g_div, o_div = _shards(s)
+    m = f"{params / 1e6:.2f}M"
     if s.strategy == "deepspeed":
-        per = 8 + (4 if tbytes < 4 else 0)
-        note = f"fp32 exp_avg + exp_avg_sq{' + fp32 master' if tbytes < 4 else ''} = {per} B/param / {o_div}"
-    else:
-        per = 2 * tbytes
-        note = f"AdamW exp_avg + exp_avg_sq in the parameter dtype = {per} B/param" + \
-            (f" / {o_div}" if o_div > 1 else "")
-    kind = "offloaded" if s.offload_optimizer and s.strategy == "deepspeed" else "static"
-    plan.items.append(Item(f"optimizer ({label})", trainable * per / o_div, note, kind))
+        # DeepSpeed casts the module to the compute dtype and keeps fp32 master weights with the states
+        cb = s.compute_bytes
+        kind = "offloaded" if s.offload_params and w_div > 1 else "static"
+        plan.items.append(Item(name, params * cb / w_div, f"{m} × {cb} B (DeepSpeed's compute-dtype module)"
+                               + _div(w_div), kind))
+        plan.items.append(Item(f"gradients ({label})", params * cb / g_div, f"{m} × {cb} B" + _div(g_div)))
+        per = 8 + (4 if cb < 4 else 0)
+        note = f"fp32 exp_avg + exp_avg_sq{' + fp32 master' if cb < 4 else ''} = {per} B/param{_div(o_div)}"
+        kind = "offloaded" if s.offload_optimizer else "static"
+        plan.items.append(Item(f"optimizer ({label})", params * per / o_div, note, kind))
+        return 0.0
+    kind = "offloaded" if s.offload_params and s.strategy == "fsdp" else "static"
+    plan.items.append(Item(name, params * 4 / w_div, f"{m} × 4 B (trainable: fp32){_div(w_div)}", kind))
+    plan.items.append(Item(f"gradients ({label})", params * 4 / g_div, f"{m} × 4 B{_div(g_div)}"))
+    if s.strategy == "ddp" and s.world > 1:
+        plan.items.append(Item(f"DDP buckets ({label})", params * 4,
+                               "a second gradient copy for all-reduce"))
+    plan.items.append(Item(f"optimizer ({label})", params * 8 / o_div,
+                           f"AdamW exp_avg + exp_avg_sq in fp32 = 8 B/param{_div(o_div)}"))
+    # FSDP casts one layer's gathered parameters at a time: no whole-model copy
+    return params * s.compute_bytes if s.compute_bytes < 4 and s.strategy != "fsdp" else 0.0
 
 
-def _weights(plan: StagePlan, s: Setup, name: str, params: float, frozen: bool = False) -> None:
-    w_div = _shards(s)[0]
-    # ZeRO-3 / FSDP shard what the optimizer trains; frozen models (PPO's reward model) stay whole
-    div = 1 if frozen else w_div
+def _frozen(plan: StagePlan, s: Setup, name: str, params: float, sharded: bool = False) -> None:
+    """Frozen weights in model.dtype. `sharded`: part of the module ZeRO-3 / FSDP shard (frozen models of
+    their own, such as PPO's reward model, stay whole); DeepSpeed holds them in its compute dtype."""
+    div = _shards(s)[0] if sharded else 1
+    nbytes = s.compute_bytes if sharded and s.strategy == "deepspeed" else s.frozen_bytes
     kind = "offloaded" if (s.offload_params and div > 1) else "static"
-    note = f"{params / 1e6:.2f}M × {s.weight_bytes} B" + (f" / {div}" if div > 1 else "")
-    plan.items.append(Item(name, params * s.weight_bytes / div, note, kind))
+    what = "model.dtype" if nbytes == s.frozen_bytes else "compute dtype"
+    plan.items.append(Item(name, params * nbytes / div, f"{params / 1e6:.2f}M × {nbytes} B (frozen, {what})"
+                           + _div(div), kind))
 
 
-def _activations(a: Arch, batch: int, seq: int, nbytes: int, checkpointing: bool) -> float:
-    per_tok_layer = activation_elements_per_token_layer(a)
-    if checkpointing:
-        return batch * seq * nbytes * (a.num_hidden_layers * a.hidden_size + per_tok_layer)
-    return batch * seq * nbytes * a.num_hidden_layers * per_tok_layer
+def _casts(s: Setup) -> bool:
+    """Whether layers cast their inputs under autocast (DeepSpeed runs the whole module in the compute
+    dtype)."""
+    return s.compute_bytes < 4 and s.strategy != "deepspeed"
 
 
 def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
     st = cfg.sft
     plan = StagePlan("sft")
+    cb = s.compute_bytes
     p = causal_lm_params(a)
-    _weights(plan, s, "policy weights", p)
-    lora = bool(st.lora.enabled)
-    if lora:
-        pl = lora_params(a, int(st.lora.r), st.lora.target_modules)
-        plan.items.append(Item("LoRA adapter", pl * 4, f"{pl / 1e6:.2f}M × 4 B (fp32)"))
-        _train_state(plan, s, pl, 4, "LoRA")
+    if bool(st.lora.enabled):
+        _frozen(plan, s, "policy base", p, sharded=True)
+        targets, r = lora_targets(st.lora.target_modules), int(st.lora.r)
+        copies = _trainable(plan, s, "LoRA adapter", lora_params(a, r, targets), "LoRA")
+        kw = {"trainable": False, "lora": targets, "r": r, "residual_bytes": s.frozen_bytes}
     else:
-        _train_state(plan, s, p, s.weight_bytes, "policy")
-    b, t = int(st.per_device_train_batch_size), int(st.max_length)
+        copies = _trainable(plan, s, "policy weights", p, "policy")
+        kw = {"trainable": True, "residual_bytes": cb if s.strategy == "deepspeed" else 4}
+    b = int(st.per_device_train_batch_size)
+    t, t_note = sequence_tokens(cfg, "sft", s)
+    plan.notes.append(f"sequence length {t} tokens: {t_note}")
     ckpt = bool(st.get("activation_checkpointing"))
-    act = _activations(a, b, t, s.compute_bytes, ckpt)
-    logits = b * t * a.vocab_size * (s.compute_bytes + 8)
+    act = _activations(a, b, t, cb, ckpt, cast=_casts(s), **kw)
+    lora_head = bool(st.lora.enabled) and "lm_head" in lora_targets(st.lora.target_modules)
+    logits = fused_head_bytes(a, b * t, cb, s.accelerator, True, not bool(st.lora.enabled) or lora_head)
     plan.items.append(Item("activations", act, f"micro-batch {b} × {t} tokens × {a.num_hidden_layers} layers"
                            + (" (checkpointed)" if ckpt else ""), "transient"))
-    plan.items.append(Item("logits", logits, f"{b}·{t}·{a.vocab_size} × ({s.compute_bytes} + 4 + 4) B",
+    plan.items.append(Item("LM head (fused, tiled)", logits, f"trl's fused LM head over {b}·{t} tokens: "
+                           f"tiles of ≤ {FUSED_TILE[0]}×{FUSED_TILE[1]} logits, never the whole (B, T, V)",
                            "transient"))
-    plan.phases["training step"] = act + logits
-    # evaluation (no gradients): one layer's activations at a time, logits with the loss and trl's entropy /
-    # token-accuracy temporaries
+    if copies:
+        plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
+                               "transient"))
+    plan.phases["training step"] = act + logits + copies
+    # evaluation (no gradients): one layer's working set at a time, and the fused LM head
     be = int(st.per_device_eval_batch_size)
-    per_token = (activation_elements_per_token_layer(a) * s.compute_bytes
-                 + a.vocab_size * (s.compute_bytes + 8))
-    ev = be * t * per_token
-    plan.items.append(Item("evaluation", ev, f"eval batch {be} × {t} tokens: one layer + logits",
+    ev = be * t * layer_working_bytes(a, cb) + fused_head_bytes(a, be * t, cb, s.accelerator, False, False)
+    plan.items.append(Item("evaluation", ev, f"eval batch {be} × {t} tokens: one layer + the fused LM head",
                            "transient"))
     plan.phases["evaluation"] = ev
     return plan
@@ -333,78 +514,128 @@ def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
 def plan_reward(cfg, a: Arch, s: Setup) -> StagePlan:
     st = cfg.reward
     plan = StagePlan("reward")
-    p = seq_cls_params(a)
-    _weights(plan, s, "reward model weights", p)
-    _train_state(plan, s, p, s.weight_bytes, "reward model")
-    b, t = 2 * int(st.per_device_train_batch_size), int(st.max_length)  # chosen + rejected in one forward
+    cb = s.compute_bytes
+    copies = _trainable(plan, s, "reward model weights", seq_cls_params(a), "reward model")
+    kw = {"trainable": True, "residual_bytes": cb if s.strategy == "deepspeed" else 4, "cast": _casts(s)}
+    b, be = 2 * int(st.per_device_train_batch_size), 2 * int(st.per_device_eval_batch_size)
+    t, t_note = sequence_tokens(cfg, "reward", s)
+    plan.notes.append(f"sequence length {t} tokens: {t_note}")
     ckpt = bool(st.get("activation_checkpointing"))
-    act = _activations(a, b, t, s.compute_bytes, ckpt)
+    act = _activations(a, b, t, cb, ckpt, **kw)
     note = f"{b} sequences (chosen + rejected) × {t} tokens × {a.num_hidden_layers} layers"
     plan.items.append(Item("activations", act, note + (" (checkpointed)" if ckpt else ""), "transient"))
-    plan.phases["training step"] = act
+    if copies:
+        plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
+                               "transient"))
+    plan.phases["training step"] = act + copies
+    # evaluation and the score statistics (no gradients): one layer at a time
+    ev = be * t * layer_working_bytes(a, cb)
+    plan.items.append(Item("evaluation", ev, f"{be} sequences × {t} tokens: one layer", "transient"))
+    plan.phases["evaluation"] = ev
     return plan
+
+
+def recomputes_logprobs(cfg, s: Setup) -> bool:
+    """ppo.recompute_logprobs: auto recomputes the old log-probs when compute is not fp32."""
+    v = str(cfg.ppo.get("recompute_logprobs", "auto")).lower()
+    return v == "true" or (v == "auto" and s.compute_bytes < 4)
 
 
 def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     p = cfg.ppo
     plan = StagePlan("ppo")
-    pl, pc = causal_lm_params(a), seq_cls_params(a)
     # ppo runs under ddp only
-    ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0)
-    _weights(plan, ps, "policy weights", pl)
-    if bool(p.lora.enabled):
-        n_lora = lora_params(a, int(p.lora.r), p.lora.target_modules)
-        plan.items.append(Item("LoRA adapter", n_lora * 4, f"{n_lora / 1e6:.2f}M × 4 B (fp32)"))
-        plan.items.append(Item("reference", 0, "the policy with its adapter disabled"))
-        _train_state(plan, ps, n_lora, 4, "LoRA")
+    ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0, offload_optimizer=False,
+                 offload_params=False)
+    cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
+    pl, pc = causal_lm_params(a), seq_cls_params(a)
+    targets, r = lora_targets(p.lora.target_modules), int(p.lora.r)
+    value_targets = tuple(t for t in targets if t != "lm_head")  # a value model has no LM head
+    lora, value_lora = bool(p.lora.enabled), bool(p.value_lora)
+
+    copies = 0.0
+    if lora:
+        _frozen(plan, ps, "policy base", pl)
+        plan.items.append(Item("reference", 0, "the policy base with its adapter disabled"))
+        n_policy = lora_params(a, r, targets)
+        copies += _trainable(plan, ps, "LoRA adapter", n_policy, "LoRA")
     else:
-        _weights(plan, ps, "reference weights", pl, frozen=True)
-        _train_state(plan, ps, pl, ps.weight_bytes, "policy")
-    _weights(plan, ps, "value model weights", pc)
-    if bool(p.value_lora):
-        nv = lora_params(a, int(p.lora.r), p.lora.target_modules) + a.hidden_size
-        plan.items.append(Item("value LoRA adapter", nv * 4, f"{nv / 1e6:.2f}M × 4 B"))
-        _train_state(plan, ps, nv, 4, "value LoRA")
+        n_policy = pl
+        copies += _trainable(plan, ps, "policy weights", pl, "policy")
+        _frozen(plan, ps, "reference weights", pl)
+    if value_lora:
+        _frozen(plan, ps, "value trunk", pc)
+        n_value = lora_params(a, r, value_targets) + a.hidden_size
+        copies += _trainable(plan, ps, "value LoRA + score head", n_value, "value LoRA")
     else:
-        _train_state(plan, ps, pc, ps.weight_bytes, "value model")
-    _weights(plan, ps, "reward model weights", pc, frozen=True)
+        n_value = pc
+        copies += _trainable(plan, ps, "value model weights", pc, "value model")
+    _frozen(plan, ps, "reward model weights", pc)
+    # what a checkpoint holds: the trainable weights (fp32) and their AdamW states, plus counters and RNG
+    plan.checkpoint = (n_policy + n_value) * (4 + 8)
 
     b = int(p.per_device_train_batch_size)
-    r = int(p.response_length)
-    seq = int(cfg.data.max_prompt_length) + r
+    resp = int(p.response_length)
+    prompt, prompt_note = prompt_tokens(cfg, s)
+    seq = prompt + resp
+    plan.notes.append(f"sequence length {seq} tokens: prompt {prompt} ({prompt_note}) + response {resp} "
+                      "(ppo.response_length)")
     local_batch = b * int(p.gradient_accumulation_steps) * int(p.num_mini_batches)
     f = min(int(p.rollout_forward_batch_size), local_batch)
-    cb = ps.compute_bytes
-    buffer = local_batch * (seq * 8 * 3 + r * (8 + 4 * 6))
+    buffer = local_batch * (seq * 8 * 3 + resp * (8 + 4 * 6))
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
-    kv = 2 * a.num_hidden_layers * a.kv_dim * f * seq * cb
-    # the sampling loop (ppo.rollout.sample_loop) keeps no per-step logits: one step's (f, V) logits and their
-    # log-prob / entropy temporaries are alive at a time
-    gen_logits = 5 * f * a.vocab_size * 4
-    plan.items.append(Item("KV cache", kv, f"2·{a.num_hidden_layers} layers·{a.kv_dim}·{f} seqs·{seq} tokens "
-                           f"× {cb} B", "transient"))
-    plan.items.append(Item("generation logits", gen_logits, f"5 × {f}·{a.vocab_size} × 4 B (one step's "
-                           "logits, log-prob / entropy temporaries)", "transient"))
-    act = _activations(a, b, seq, cb, False)
-    logits = b * r * a.vocab_size * (cb + 4) + 3 * b * r * a.vocab_size * 4
-    plan.items.append(Item("policy activations", act, f"micro-batch {b} × {seq} tokens × "
-                           f"{a.num_hidden_layers} layers", "transient"))
-    plan.items.append(Item("value activations", act, "same shape as the policy's", "transient"))
-    plan.items.append(Item("policy logits", logits, f"{b}·{r}·{a.vocab_size} × ({cb} + 4) B + entropy "
-                           "temporaries", "transient"))
-    merged = 0
-    if bool(p.lora.enabled):
+
+    # rollout, step 1: sampling with a KV cache
+    kv = 2 * L * a.kv_dim * f * seq * cb
+    step_logits = f * V * (cb + 32)
+    plan.items.append(Item("KV cache", kv, f"2·{L} layers·{a.kv_dim}·{f} seqs·{seq} tokens × {cb} B",
+                           "transient"))
+    plan.items.append(Item("sampling step logits", step_logits, f"{f}·{V} × ({cb} + 32) B: one step's "
+                           "logits, fp32 log-softmax / entropy, float64 CDF", "transient"))
+    merged = 0.0
+    if lora:
         # sampling runs on the LoRA merged into a copy of each adapted weight (ppo.rollout.lora_merged)
-        shapes = linear_shapes(a)
-        targets = LORA_TARGETS if str(p.lora.target_modules) == "all-linear" else list(p.lora.target_modules)
-        merged = a.num_hidden_layers * sum(shapes[t][0] * shapes[t][1] for t in targets if t in shapes) * cb
-        if "lm_head" in targets:
-            merged += a.hidden_size * a.vocab_size * cb
-        plan.items.append(Item("merged LoRA weights", merged, "sampling uses W + B·A copies of the adapted "
-                               "weights", "transient"))
-    plan.phases["rollout"] = kv + gen_logits + merged
-    plan.phases["training step"] = 2 * act + logits
+        merged = adapted_weight_params(a, targets) * wb
+        plan.items.append(Item("merged LoRA weights", merged,
+                               f"W + B·A copies of the adapted weights × {wb} B", "transient"))
+    plan.phases["sampling"] = kv + step_logits + merged
+    # rollout, step 2: scoring (reference / recomputed log-probs, values, reward), no gradients
+    recompute = recomputes_logprobs(cfg, ps)
+    frv = f * resp * V
+    extra = logit_temporaries(cb) if recompute else 8
+    one_layer = f * seq * layer_working_bytes(a, cb)
+    if recompute and cb < 4:
+        # low-precision logits: log-probs and entropy are taken one row at a time (ppo.core), so the float32
+        # temporaries cover one (R, V) row, not the chunk
+        score = frv * cb + resp * V * extra
+        what = f"{f}·{resp}·{V} × {cb} B + one row's {resp}·{V} × {extra} B: recomputed log-probs with their entropy"
+    else:
+        score = frv * (cb + extra)
+        what = f"{f}·{resp}·{V} × ({cb} + {extra}) B: " + ("recomputed log-probs with their entropy" if recompute
+                                                          else "reference log-probs")
+    plan.items.append(Item("scoring logits", score, what + ", + one layer", "transient"))
+    plan.phases["scoring"] = score + one_layer
+
+    # step 5: a training micro-batch: the policy's forward, log-softmax and backward, then the value model's
+    # (PPOTrainer.micro_batch_step): the two sets of activations are never alive together
+    cast = _casts(ps)
+    act_p = _activations(a, b, seq, cb, trainable=not lora, lora=targets if lora else (), r=r, cast=cast,
+                         residual_bytes=wb if lora else 4)
+    act_v = _activations(a, b, seq, cb, trainable=not value_lora, lora=value_targets if value_lora else (),
+                         r=r, cast=cast, residual_bytes=wb if value_lora else 4)
+    per_logit = cb + logit_temporaries(cb)
+    logits = b * resp * V * per_logit
+    plan.items.append(Item("policy activations", act_p, f"micro-batch {b} × {seq} tokens × {L} layers",
+                           "transient"))
+    plan.items.append(Item("value activations", act_v, f"micro-batch {b} × {seq} tokens × {L} layers",
+                           "transient"))
+    plan.items.append(Item("policy logits", logits, f"{b}·{resp}·{V} × ({cb} + {per_logit - cb}) B: logits, "
+                           "fp32 log-softmax and entropy temporaries", "transient"))
+    if copies:
+        plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
+                               "transient"))
+    plan.phases["training step"] = copies + max(act_p + logits, act_v)
     return plan
 
 
@@ -447,8 +678,8 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
         if s.accelerator == "cuda":
             n = max(s.per_machine, 2)
             many = {"world": n * max(s.world // max(s.per_machine, 1), 1), "per_machine": n}
-            for kw in (dict(strategy="deepspeed", zero_stage=2), dict(strategy="deepspeed", zero_stage=3),
-                       dict(strategy="fsdp", zero_stage=0)):
+            for kw in ({"strategy": "deepspeed", "zero_stage": 2}, {"strategy": "deepspeed", "zero_stage": 3},
+                       {"strategy": "fsdp", "zero_stage": 0}):
                 if (s.strategy, s.zero_stage) != (kw["strategy"], kw["zero_stage"]):
                     out.append(({}, {**many, **kw}))
             offloaded = s.offload_optimizer and s.offload_params
@@ -522,14 +753,21 @@ def fmt_bytes(n: float) -> str:
 
 def format_plan(plan: StagePlan) -> list[str]:
     lines = [f"  {plan.stage}"]
+    lines += [f"    {note}" for note in plan.notes]
     for it in plan.items:
         tag = {"transient": " (peak of a phase)", "offloaded": " (CPU memory)"}.get(it.kind, "")
         lines.append(f"    {it.name:<28}{fmt_bytes(it.bytes):>12}  {it.note}{tag}")
     phase = max(plan.phases, key=plan.phases.get) if plan.phases else "-"
+    if len(plan.phases) > 1:
+        lines.append(f"    {'phases':<28}{'':>12}  "
+                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.phases.items()))
     lines.append(f"    {'tensors at peak':<28}{fmt_bytes(plan.tensors):>12}  static "
                  f"{fmt_bytes(plan.static)} + {phase} {fmt_bytes(plan.transient)}")
     lines.append(f"    {'runtime overhead':<28}{fmt_bytes(plan.peak - plan.tensors):>12}  "
-                 f"{fmt_bytes(plan.overhead)} measured constant + allocator slack ×{plan.slack:g} on the "
+                 f"{fmt_bytes(plan.overhead)} runtime constant + allocator slack ×{plan.slack:g} on the "
                  "transient part")
     lines.append(f"    {'peak per process':<28}{fmt_bytes(plan.peak):>12}")
+    if plan.checkpoint:
+        lines.append(f"    {'checkpoint on disk':<28}{fmt_bytes(plan.checkpoint):>12}  what trains (fp32) "
+                     "and its AdamW states, counters, RNG")
     return lines

@@ -1,5 +1,6 @@
-"""`rlhf doctor` and the memory plan (rlhf_cli.memory): parameter counts against real models, the sharding
-arithmetic, advice that fits, the real CLI on both recipes, and the tiny plan against measured peak RSS."""
+"""`rlhf doctor` and the memory plan (rlhf_cli.memory): parameter counts against real models, the precision
+model (frozen weights in model.dtype, trainable ones in fp32), the sharding arithmetic, lengths from the data,
+advice that fits, the real CLI on both recipes, and the tiny plans against measured peak RSS."""
 
 from __future__ import annotations
 
@@ -81,19 +82,99 @@ def test_sharding_divides_what_it_should():
     cfg = compose("sft", ["recipe=qwen3-0.6b"])
     single = _items(M.plan_stage(cfg, "sft", QWEN))
     s = M.setup_from(cfg)
-    four = dict(strategy="deepspeed", world=4, per_machine=4)
+    four = {"strategy": "deepspeed", "world": 4, "per_machine": 4}
     z2 = _items(M.plan_stage(cfg, "sft", QWEN, replace(s, zero_stage=2, **four)))
     z3 = _items(M.plan_stage(cfg, "sft", QWEN, replace(s, zero_stage=3, offload_optimizer=True, **four)))
     n = M.causal_lm_params(QWEN)
-    assert single["policy weights"].bytes == n * 2
-    assert single["optimizer (policy)"].bytes == n * 4  # torch AdamW: 2 states in bf16
-    assert z2["policy weights"].bytes == n * 2  # ZeRO-2 keeps whole weights
+    assert single["policy weights"].bytes == n * 4  # trainable: fp32 master weights
+    assert single["optimizer (policy)"].bytes == n * 8  # fp32 exp_avg + exp_avg_sq
+    assert z2["policy weights"].bytes == n * 2  # DeepSpeed runs the module in bf16, ZeRO-2 keeps it whole
     assert z2["gradients (policy)"].bytes == n * 2 / 4
     assert z2["optimizer (policy)"].bytes == n * 12 / 4  # fp32 states + fp32 master, sharded
     assert z3["policy weights"].bytes == n * 2 / 4
     assert z3["optimizer (policy)"].kind == "offloaded"
     ddp = _items(M.plan_stage(cfg, "sft", QWEN, replace(s, strategy="ddp", world=2)))
-    assert ddp["DDP gradient buckets"].bytes == n * 2
+    assert ddp["DDP buckets (policy)"].bytes == n * 4
+
+
+def test_full_fine_tune_counts_trainable_weights_as_fp32_even_in_bf16():
+    cfg = compose("sft", ["recipe=qwen3-0.6b", "model.dtype=bfloat16"])
+    s = M.setup_from(cfg)
+    assert (s.frozen_bytes, s.compute_bytes) == (2, 2)
+    n = M.causal_lm_params(QWEN)
+    sft = _items(M.plan_stage(cfg, "sft", QWEN, s))
+    assert sft["policy weights"].bytes == n * 4 and sft["gradients (policy)"].bytes == n * 4
+    assert sft["autocast weight copies"].bytes == n * 2  # bf16 casts held for the backward
+    reward_cfg = compose("reward", ["recipe=qwen3-0.6b", "model.dtype=bfloat16"])
+    reward = _items(M.plan_stage(reward_cfg, "reward", QWEN))
+    assert reward["reward model weights"].bytes == M.seq_cls_params(QWEN) * 4
+    # with LoRA only the adapter trains: the base stays in model.dtype
+    lora = _items(M.plan_stage(compose("sft", ["recipe=qwen3-0.6b", "model.dtype=bfloat16",
+                                               "sft.lora.enabled=true"]), "sft", QWEN))
+    assert lora["policy base"].bytes == n * 2
+    assert lora["LoRA adapter"].bytes == M.lora_params(QWEN, 16, "all-linear") * 4
+    # fp32 compute over bf16 frozen weights runs at their dtype (models.resolve_precision)
+    cpu_bf16 = M.setup_from(compose("ppo", ["model.dtype=bfloat16", "device.mixed_precision=no"]))
+    assert (cpu_bf16.frozen_bytes, cpu_bf16.compute_bytes) == (2, 2)
+    assert (M.setup_from(compose("ppo")).frozen_bytes, M.setup_from(compose("ppo")).compute_bytes) == (4, 4)
+
+
+def test_activation_formula_matches_saved_tensors():
+    """The bytes autograd keeps per token per layer, counted with saved-tensor hooks on the tiny shape (a
+    layer's count is the difference between a 3- and a 1-layer model), against the formula; parameters and
+    their autocast copies are left out (the plan counts them per parameter)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    a = tiny_arch()
+    B, T = 4, 48
+
+    def saved_per_token_layer(lora: bool, autocast: bool) -> float:
+        def model(layers: int):
+            torch.manual_seed(0)
+            conf = Qwen3Config(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+                               intermediate_size=a.intermediate_size, num_hidden_layers=layers,
+                               num_attention_heads=a.num_attention_heads,
+                               num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                               tie_word_embeddings=True, pad_token_id=0)
+            m = Qwen3ForCausalLM(conf)
+            if lora:
+                m = get_peft_model(m.to(torch.bfloat16 if autocast else torch.float32),
+                                   LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+                for q in m.parameters():
+                    if q.requires_grad:
+                        q.data = q.data.float()
+            return m
+
+        def saved(m) -> int:
+            ids = torch.randint(3, a.vocab_size, (B, T))
+            am = torch.ones_like(ids)
+            am[0, :7] = 0  # left padding: a real mask, as in every batch
+            params = {q.untyped_storage().data_ptr() for q in m.parameters()}
+            found = {}
+
+            def pack(t):
+                st = t.untyped_storage()
+                # parameters, and autocast's 2-d casts of them, are counted per parameter
+                weight_cast = t.dim() == 2 and t.shape[0] not in (B * T, B)
+                if st.data_ptr() not in params and not weight_cast:
+                    found[st.data_ptr()] = st.nbytes()
+                return t
+
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+                m(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
+                  logits_to_keep=1, use_cache=False)
+            return sum(found.values())
+
+        return (saved(model(3)) - saved(model(1))) / 2 / (B * T)
+
+    for lora, autocast in ((False, False), (True, False), (True, True), (False, True)):
+        cb = 2 if autocast else 4
+        kw = {"trainable": not lora, "lora": M.LORA_TARGETS if lora else (), "r": 8 if lora else 0, "seq": T}
+        planned = M.activation_bytes_per_token_layer(a, cb, residual_bytes=4 if not lora else cb, **kw)
+        assert saved_per_token_layer(lora, autocast) == pytest.approx(planned, rel=0.06), (lora, autocast)
 
 
 def test_checkpointing_and_micro_batch_lower_the_peak():
@@ -110,26 +191,91 @@ def test_ppo_plan_terms():
     cfg = compose("ppo", ["recipe=qwen3-0.6b"])
     p = M.plan_stage(cfg, "ppo", QWEN)
     it = _items(p)
+    n = M.causal_lm_params(QWEN)
     assert it["reference"].bytes == 0  # LoRA: the adapter disabled is the reference
+    assert it["policy base"].bytes == n * 2  # frozen, in model.dtype
+    assert it["LoRA adapter"].bytes == M.lora_params(QWEN, 32, "all-linear") * 4
+    assert it["value trunk"].bytes == M.seq_cls_params(QWEN) * 2
+    assert it["value LoRA + score head"].bytes == (M.lora_params(QWEN, 32, "all-linear") + 1024) * 4
+    assert it["reward model weights"].bytes == M.seq_cls_params(QWEN) * 2
     assert it["KV cache"].bytes == 2 * 28 * 8 * 128 * 32 * (256 + 200) * 2
-    assert it["generation logits"].bytes == 5 * 32 * 151936 * 4  # one step at a time
+    assert it["sampling step logits"].bytes == 32 * 151936 * (2 + 32)  # one step at a time
+    assert set(p.phases) == {"sampling", "scoring", "training step"}
     full = _items(M.plan_stage(compose("ppo", ["recipe=qwen3-0.6b", "ppo.lora.enabled=false"]), "ppo", QWEN))
-    assert full["reference weights"].bytes == M.causal_lm_params(QWEN) * 2
+    assert full["reference weights"].bytes == n * 2
+    assert full["policy weights"].bytes == n * 4
     assert p.peak == pytest.approx(p.static + p.slack * p.transient + p.overhead)
+    # a checkpoint holds what trains and its AdamW states: the two adapters (+ score head), 12 B per parameter
+    assert p.checkpoint == (2 * M.lora_params(QWEN, 32, "all-linear") + 1024) * 12
+
+
+def test_qwen3_ppo_fits_one_24gb_gpu_as_shipped():
+    cfg = compose("ppo", ["recipe=qwen3-0.6b"])
+    assert bool(cfg.ppo.value_lora)
+    plan = M.plan_stage(cfg, "ppo", M.arch_for_model(cfg.model)[0], M.setup_from(cfg, 1))
+    assert plan.peak <= 22 * M.GiB, f"{plan.peak / M.GiB:.2f} GiB"
+
+
+def test_full_value_model_plans_more_than_value_lora():
+    lora_cfg = compose("ppo", ["recipe=qwen3-0.6b", "ppo.value_lora=true"])
+    full_cfg = compose("ppo", ["recipe=qwen3-0.6b", "ppo.value_lora=false"])
+    lora, full = M.plan_stage(lora_cfg, "ppo", QWEN), M.plan_stage(full_cfg, "ppo", QWEN)
+    assert full.peak > lora.peak + 6 * M.GiB  # fp32 weights, gradients and AdamW states of 596M parameters
+    assert _items(full)["value model weights"].bytes == M.seq_cls_params(QWEN) * 4
+    assert full.checkpoint > lora.checkpoint + M.seq_cls_params(QWEN) * 11
+    tiny_lora = M.plan_stage(compose("ppo", ["ppo.value_lora=true"]), "ppo", tiny_arch())
+    tiny_full = M.plan_stage(compose("ppo", ["ppo.value_lora=false"]), "ppo", tiny_arch())
+    assert tiny_full.peak > tiny_lora.peak
 
 
 def test_advice_fits_the_budget():
     cfg = compose("ppo", ["recipe=qwen3-0.6b"])
     s = M.setup_from(cfg)
-    budget = 24 * M.GiB
-    assert M.plan_stage(cfg, "ppo", QWEN, s).peak > budget
+    budget = 0.75 * M.plan_stage(cfg, "ppo", QWEN, s).peak
     singles, combo = M.remedies(cfg, "ppo", QWEN, s, budget)
     advice = singles + ([combo] if combo else [])
     assert advice
     assert all(plan.peak <= budget and label.startswith("ppo.") for label, plan in advice)
     sft_cfg = compose("sft", ["recipe=qwen3-0.6b", "sft.per_device_eval_batch_size=4"])
-    singles, _ = M.remedies(sft_cfg, "sft", QWEN, M.setup_from(sft_cfg), 6 * M.GiB)
-    assert all(p.peak <= 6 * M.GiB for _, p in singles)
+    singles, _ = M.remedies(sft_cfg, "sft", QWEN, M.setup_from(sft_cfg), 14 * M.GiB)
+    assert singles and all(p.peak <= 14 * M.GiB for _, p in singles)
+
+
+# ------------------------------------------------------------------------------------------ lengths from data
+def test_plan_uses_the_prompt_length_of_the_data_and_says_so(tmp_path):
+    from rlhf_cli.stages.doctor import data_lengths
+
+    cfg = compose("ppo", [f"run_dir={tmp_path}"])
+    lengths = data_lengths(cfg)  # the tiny base (tokenizer) is built locally, nothing downloaded
+    cap = int(cfg.data.max_prompt_length)
+    assert lengths.prompt is not None and 10 < lengths.prompt < cap
+    assert lengths.sft >= lengths.prompt and lengths.reward >= lengths.prompt
+    assert "longest" in lengths.source and str(lengths.prompt) in lengths.source
+    s = M.setup_from(cfg, 0, lengths)
+    plan = M.plan_stage(cfg, "ppo", tiny_arch(), s)
+    seq = lengths.prompt + int(cfg.ppo.response_length)
+    a = tiny_arch()
+    assert _items(plan)["KV cache"].bytes == 2 * a.num_hidden_layers * a.kv_dim * 32 * seq * 4
+    assert any(f"prompt {lengths.prompt} (the data's longest prompt" in n for n in plan.notes)
+    # without data the configured maximum, and the plan says that instead
+    assert M.plan_stage(cfg, "ppo", a).peak > plan.peak
+    assert any(f"data.max_prompt_length={cap}" in n for n in M.plan_stage(cfg, "ppo", a).notes)
+    sft = M.plan_stage(compose("sft", [f"run_dir={tmp_path}"]), "sft", a, s)
+    assert any(f"sequence length {lengths.sft} tokens: the data's longest row" in n for n in sft.notes)
+
+
+def test_data_lengths_never_download(tmp_path):
+    from rlhf_cli.stages.doctor import data_lengths
+
+    unknown = compose("ppo", [f"run_dir={tmp_path}", "model.name_or_path=acme/unknown-7b",
+                              f"model.cache_dir={tmp_path / 'cache'}"])
+    got = data_lengths(unknown)
+    assert got.prompt is None and "downloads nothing" in got.source
+    hub_data = compose("ppo", [f"run_dir={tmp_path}", "data.train_path=acme/some-dataset",
+                               "data.eval_path=null"])
+    got = data_lengths(hub_data)
+    assert got.prompt is None and "not a local file" in got.source
+    assert data_lengths(compose("ppo", ["recipe=qwen3-0.6b"])).source.startswith("no data")
 
 
 # -------------------------------------------------------------------------------------------- the real CLI
@@ -140,18 +286,23 @@ def test_doctor_tiny(run_cli):
     assert time.perf_counter() - t0 < 20
     for needle in ("versions", "torch ", "transformers ", "trl ", "peft ", "accelerate ", "CUDA", "RAM",
                    "ModelScope:", "Hugging Face hub:", "memory plan per process", "peak per process",
-                   "KV cache", "generation logits", "-> fits"):
+                   "KV cache", "sampling step logits", "-> fits", "precision: frozen weights in float32",
+                   "sequence lengths: 3000 training prompts", "The plan takes the longest",
+                   "the data's longest prompt", "checkpoint on disk"):
         assert needle in out, needle
     assert out.count("peak per process") == 3  # sft, reward, ppo
 
 
 def test_doctor_qwen_recipe_offline(run_cli):
     t0 = time.perf_counter()
-    rc, out, err = run_cli("doctor", "recipe=qwen3-0.6b", "doctor.memory_gib=24", timeout=60)
+    rc, out, err = run_cli("doctor", "recipe=qwen3-0.6b", "doctor.memory_gib=16", timeout=60)
     assert rc == 0, err
     assert time.perf_counter() - t0 < 20
     assert "built-in table" in out and "596.0M parameters" in out
-    assert "DOES NOT FIT" in out and "to fit" in out  # ppo on 24 GiB needs changes, and says which
+    assert "precision: frozen weights in bfloat16 (model.dtype), compute bf16" in out
+    assert "sequence lengths: the configured maxima (no data: data.train_path is not set)" in out
+    assert "prompt 256 (data.max_prompt_length=256)" in out
+    assert "DOES NOT FIT" in out and "to fit" in out  # ppo on 16 GiB needs changes, and says which
     rc, out, err = run_cli("doctor", "recipe=qwen3-0.6b", "device=zero3", "device.num_processes=4",
                            timeout=60)
     assert rc == 0, err
@@ -160,25 +311,33 @@ def test_doctor_qwen_recipe_offline(run_cli):
 
 # ------------------------------------------------------------------------- plan against measured peak RSS
 @pytest.mark.slow
-def test_tiny_ppo_plan_within_30_percent_of_measured_rss(tmp_path):
-    """Peak RSS growth of `rlhf ppo` (tiny recipe, in a fresh process, after its imports) against the plan."""
+def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
+    """Peak RSS growth of `rlhf sft`, `rlhf reward` and `rlhf ppo` (tiny recipe, each in a fresh process,
+    after its imports) against each stage's plan, with the lengths the doctor reads from the data. The same run
+    reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on timing), so each stage runs
+    twice and its peak is the higher one."""
+    from rlhf_cli.stages.doctor import data_lengths
+
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MALLOC_MMAP_THRESHOLD_"):
         env.pop(k, None)
-    run_dir = f"run_dir={tmp_path / 'run'}"
-    for args in (["sft", "sft.max_steps=5", "sft.eval_steps=100"],
-                 ["reward", "reward.max_steps=5", "reward.eval_steps=100"]):
-        p = subprocess.run([sys.executable, "-m", "rlhf_cli.cli", *args, run_dir, "device.threads=1"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-2000:]
-    ov = [run_dir, "device.threads=1", "ppo.total_episodes=128"]
-    p = subprocess.run([sys.executable, str(PROBE), "ppo", *ov], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    measured = json.loads(p.stdout.strip().splitlines()[-1])["growth_mib"] * M.MiB
-    cfg = compose("ppo", ov)
-    plan = M.plan_stage(cfg, "ppo", M.arch_for_model(cfg.model)[0])
-    err = (plan.peak - measured) / measured
-    print(f"tiny ppo: plan {plan.peak / M.MiB:.0f} MiB, measured {measured / M.MiB:.0f} MiB, "
-          f"error {100 * err:+.0f}%")
-    assert abs(err) <= 0.30
+    common = [f"run_dir={tmp_path / 'run'}", "device.threads=1"]
+    report = []
+    for stage, ov in (("sft", ["sft.max_steps=5", "sft.eval_steps=100"]),
+                      ("reward", ["reward.max_steps=5", "reward.eval_steps=100"]),
+                      ("ppo", ["ppo.total_episodes=128"])):
+        peaks = []
+        for _ in range(2):
+            p = subprocess.run([sys.executable, str(PROBE), stage, *common, *ov], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600, check=False)
+            assert p.returncode == 0, p.stderr[-2000:]
+            peaks.append(json.loads(p.stdout.strip().splitlines()[-1])["growth_mib"] * M.MiB)
+        measured = max(peaks)
+        cfg = compose(stage, [*common, *ov])
+        s = M.setup_from(cfg, 0, data_lengths(cfg))
+        plan = M.plan_stage(cfg, stage, M.arch_for_model(cfg.model)[0], s)
+        err = (plan.peak - measured) / measured
+        report.append((stage, plan.peak / M.MiB, measured / M.MiB, err))
+    print("; ".join(f"tiny {s}: plan {pl:.0f} MiB, measured {me:.0f} MiB, error {100 * e:+.0f}%"
+                    for s, pl, me, e in report))
+    assert all(abs(e) <= 0.20 for *_, e in report), report

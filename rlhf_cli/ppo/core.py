@@ -105,8 +105,9 @@ def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.
         if entropy_grad:
             entropy = entropy_from_logits(logits, temperature)
         else:
+            # one row at a time, as logprobs_from_logits does: a (T, V) float32 copy at the peak, not (B, T, V)
             with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach(), temperature)
+                entropy = torch.stack([entropy_from_logits(row, temperature) for row in logits.detach()])
         return logprobs_from_logits(logits, tokens, temperature), entropy
     z = logits if temperature == 1.0 else logits / temperature
     # log_softmax(z) = z − logsumexp(z); its fused backward is cheaper than logsumexp's on a (B, T, V) tensor

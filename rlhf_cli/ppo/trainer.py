@@ -255,38 +255,64 @@ class PPOTrainer:
         return exp.with_(kl=kl, advantages=advantages)
 
     # ---------------------------------------------------------------------------------------- step 5
-    def micro_batch_loss(self, exp: Experience, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The PPO loss of one micro-batch (rows `idx`, leading prompt padding from `start` dropped) and its
-        stats in STAT_KEYS order."""
+    def _rows(self, exp: Experience, idx: torch.Tensor, start: int):
+        """Inputs of micro-batch `idx`, the prompt padding shared by all its rows (before `start`) dropped."""
+        return exp.input_ids[idx, start:], exp.attention_mask[idx, start:], exp.position_ids[idx, start:]
+
+    def policy_loss(self, exp: Experience, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, dict]:
+        """The policy's part of the loss of one micro-batch: clipped surrogate, − ent_coef·entropy, and for GRPO
+        + β·KL to the reference."""
         c = self.c
-        R = exp.response_length
-        ids, am = exp.input_ids[idx, start:], exp.attention_mask[idx, start:]
-        pos = exp.position_ids[idx, start:]
+        ids, am, pos = self._rows(exp, idx, start)
         mask = exp.response_mask[idx]
         with self.autocast():
-            logits = policy_logits(self.policy, ids, am, pos, R, self.sampling.vocab_size)
-            vpred = response_slice(self.value(ids, am, pos), R) if self.value is not None else None
+            logits = policy_logits(self.policy, ids, am, pos, exp.response_length, self.sampling.vocab_size)
         # the entropy keeps its graph only when it is a loss term (ppo.ent_coef)
         new_logprobs, tok_entropy = core.logprobs_and_entropy(logits, exp.response_ids[idx], c.temperature,
                                                               entropy_grad=bool(c.ent_coef))
+        del logits
         pg_loss, pg = core.policy_loss(new_logprobs, exp.logprobs[idx], exp.advantages[idx], mask, c.cliprange,
                                        c.loss_aggregation)
         ent = core.masked_mean(tok_entropy, mask)
-        zero = torch.zeros((), device=pg_loss.device)
-        vf_loss, vf_clipfrac, kl_loss = zero, zero, zero
-        if vpred is not None:
-            vf_loss, vf = core.value_loss(vpred, exp.values[idx], exp.returns[idx], mask, c.cliprange_value)
-            vf_clipfrac = vf["clipfrac"]
-            loss = pg_loss + c.vf_coef * vf_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
-        else:
-            loss = pg_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
+        loss = pg_loss - (c.ent_coef * ent if c.ent_coef else 0.0)
+        kl_loss = torch.zeros((), device=pg_loss.device)
         if c.advantage == "grpo":  # [GRPO] eq. 3: + β·KL(π‖π_ref) per token, averaged as the policy loss is
             kl_loss = core.aggregate_loss(core.kl_penalty(new_logprobs, exp.ref_logprobs[idx], c.kl_loss_estimator),
                                           mask, c.loss_aggregation)
             loss = loss + self.kl_ctl.value * kl_loss
-        stats = torch.stack([pg_loss.detach(), vf_loss.detach(), pg["approxkl"], pg["clipfrac"], vf_clipfrac,
-                             ent.detach(), pg["ratio"], kl_loss.detach()])
-        return loss, stats
+        return loss, {"pg_loss": pg_loss.detach(), "approxkl": pg["approxkl"], "clipfrac": pg["clipfrac"],
+                      "entropy": ent.detach(), "ratio": pg["ratio"], "kl_loss": kl_loss.detach()}
+
+    def value_loss(self, exp: Experience, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, dict]:
+        """The value model's part: vf_coef · clipped value loss (zero without a value model)."""
+        zero = torch.zeros((), device=exp.response_ids.device)
+        if self.value is None:
+            return zero, {"vf_loss": zero, "vf_clipfrac": zero}
+        ids, am, pos = self._rows(exp, idx, start)
+        with self.autocast():
+            vpred = response_slice(self.value(ids, am, pos), exp.response_length)
+        vf_loss, vf = core.value_loss(vpred, exp.values[idx], exp.returns[idx], exp.response_mask[idx],
+                                      self.c.cliprange_value)
+        return self.c.vf_coef * vf_loss, {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf["clipfrac"]}
+
+    def micro_batch_step(self, exp: Experience, idx: torch.Tensor, start: int, accumulation: int) -> torch.Tensor:
+        """Backward of one micro-batch's loss / `accumulation`, the policy's part first: its activations and logits
+        are freed before the value model's forward, so the two are never alive together. The gradients are
+        those of the summed loss (the two models share no parameter). Returns the stats in STAT_KEYS order."""
+        pol_loss, ps = self.policy_loss(exp, idx, start)
+        self.acc.backward(pol_loss / accumulation)
+        val_loss, vs = self.value_loss(exp, idx, start)
+        if self.value is not None:
+            self.acc.backward(val_loss / accumulation)
+        st = {**ps, **vs}
+        return torch.stack([st[k] for k in STAT_KEYS])
+
+    def micro_batch_loss(self, exp: Experience, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole loss of one micro-batch and its stats in STAT_KEYS order (for evaluating the objective)."""
+        pol_loss, ps = self.policy_loss(exp, idx, start)
+        val_loss, vs = self.value_loss(exp, idx, start)
+        st = {**ps, **vs}
+        return pol_loss + val_loss, torch.stack([st[k] for k in STAT_KEYS])
 
     def update(self, exp: Experience) -> dict[str, torch.Tensor]:
         """PPO epochs over shuffled mini-batches; one optimizer step per mini-batch. Returns the mean of each
@@ -314,9 +340,8 @@ class PPOTrainer:
                         if self.value is not None:
                             sync.enter_context(acc.no_sync(self.value))
                     with sync:
-                        loss, stats = self.micro_batch_loss(exp, idx, starts[mb * sz.gradient_accumulation_steps + k])
-                        acc.backward(loss / sz.gradient_accumulation_steps)
-                    mb_stats.append(stats)
+                        mb_stats.append(self.micro_batch_step(exp, idx, starts[mb * sz.gradient_accumulation_steps + k],
+                                                              sz.gradient_accumulation_steps))
                 s = torch.stack(mb_stats).mean(0)
                 grad_norm = acc.clip_grad_norm_(self.pol_params + self.val_params, c.max_grad_norm) \
                     if c.max_grad_norm else None

@@ -2,17 +2,22 @@
 per process for the recipe's training stages (rlhf_cli.memory), with what to change when it does not fit.
 
 Imports no trainer library: versions come from package metadata, torch is imported once for the device report,
-and each hub gets one TCP connection attempt with a short timeout (no retries), all in parallel.
+and each hub gets one TCP connection attempt with a short timeout (no retries), all in parallel. The plan's
+sequence lengths come from the training data, tokenized with the model's tokenizer, when both are on this
+machine (nothing is downloaded; the tiny base is built here as every stage builds it).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import random
 import socket
 import threading
 import time
 from importlib import metadata
+from pathlib import Path
 from urllib.parse import urlparse
 
 from rlhf_cli import memory as M
@@ -21,6 +26,9 @@ from rlhf_cli.errors import RlhfError
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "datasets", "hydra-core",
             "modelscope")
 COMMON_GPU_GIB = (16, 24, 40, 48, 80, 141)
+# examples tokenized at most per split (a seeded sample of larger data): seconds, not minutes
+SAMPLE_ROWS = 5000
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def versions() -> dict[str, str | None]:
@@ -86,6 +94,103 @@ def reachability(timeout: float = 2.0) -> dict[str, str]:
     return results
 
 
+# -------------------------------------------------------------------------------------------- data lengths
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in TOKENIZER_FILES)
+
+
+def tokenizer_dir(cfg) -> tuple[Path | None, str]:
+    """(a local directory holding the tokenizer the stages use, or None, and why). Never downloads: the SFT
+    output (what ppo tokenizes with) when it exists, else the base model - the tiny one is built here, as
+    every stage builds it; a local directory as it is; a hub id only from the local caches."""
+    sft_out = Path(str(cfg.ppo.policy_dir)).expanduser()
+    if _has_tokenizer(sft_out):
+        return sft_out, str(sft_out)
+    name = str(cfg.model.name_or_path)
+    if name == "tiny":
+        from rlhf_cli.models import base_model_dir
+
+        return base_model_dir(cfg), f"{cfg.model.tiny.dir} (the tiny base)"
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return (local, str(local)) if _has_tokenizer(local) else (None, f"{local} has no tokenizer files")
+    for d in M.cached_model_dirs(name, cfg.model.get("cache_dir")):
+        if _has_tokenizer(d):
+            return d, str(d)
+    return None, (f"no tokenizer of {name} on this machine (not in the local hub caches; the doctor "
+                  "downloads nothing)")
+
+
+def _token_counts(tok, texts: list[str]) -> list[int]:
+    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+
+def _p95(xs: list[int]) -> int:
+    return sorted(xs)[max(math.ceil(0.95 * len(xs)) - 1, 0)]
+
+
+def _sample(examples: list, n: int) -> list:
+    return examples if len(examples) <= n else random.Random(0).sample(examples, n)
+
+
+def data_lengths(cfg) -> M.Lengths:
+    """Token lengths of the training data as the stages render it (prompt: chat template + assistant header;
+    rows: prompt + answer + EOS), tokenized with the model's tokenizer; the prompts longer than
+    data.max_prompt_length are left out, as the stages drop them. Lengths() with the reason when the data or
+    the tokenizer is not on this machine. Larger data sets are sampled (SAMPLE_ROWS per split).
+
+    The plan takes the longest of each, not a percentile: every batch is padded to its longest row, and over
+    a run the batches meet the longest rows of the data."""
+    from rlhf_cli import data as D
+
+    d = cfg.data
+    if not d.get("train_path"):
+        return M.Lengths(source="no data: data.train_path is not set")
+    for key in ("train_path", "eval_path"):
+        v = d.get(key)
+        if v and not Path(str(v)).expanduser().is_file():
+            return M.Lengths(source=f"no data: data.{key}={v} is not a local file (the doctor downloads "
+                                    "nothing)")
+    from rlhf_cli.models import load_tokenizer
+
+    try:
+        tok_dir, where = tokenizer_dir(cfg)
+        if tok_dir is None:
+            return M.Lengths(source=f"data not tokenized: {where}")
+        tok = load_tokenizer(tok_dir, cfg.model)
+        train, evals = D.load_examples(d, need_rejected=False)
+    except (RlhfError, OSError, ValueError) as e:  # a broken tokenizer directory or data file: report, go on
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return M.Lengths(source=f"data not read: {first}")
+    n_train = len(train)
+    train, evals = _sample(train, SAMPLE_ROWS), _sample(evals, SAMPLE_ROWS)
+    thinking, templ = bool(cfg.model.enable_thinking), bool(d.chat_template)
+    cap = int(d.max_prompt_length)
+
+    def rendered(examples):
+        """(example, prompt text, prompt tokens) of the examples whose prompt the stages keep."""
+        prompts = [D.prompt_text(tok, ex.prompt, thinking, templ) for ex in examples]
+        return [(ex, pt, n) for ex, pt, n in zip(examples, prompts, _token_counts(tok, prompts)) if n <= cap]
+
+    kept_train, kept_eval = rendered(train), rendered(evals)
+    if not kept_train:
+        return M.Lengths(source=f"data not used: every sampled prompt is longer than "
+                                f"data.max_prompt_length={cap}")
+    prompt_lens = [n for _, _, n in kept_train]
+    kept = kept_train + kept_eval
+    eos = tok.eos_token or ""
+    chosen = _token_counts(tok, [pt + ex.chosen + eos for ex, pt, _ in kept])
+    rejected = _token_counts(tok, [pt + ex.rejected + eos for ex, pt, _ in kept if ex.rejected is not None])
+    sft = chosen + (rejected if bool(d.sft_on_rejected) else [])
+    sampled = f" (a sample of {len(train)})" if len(train) < n_train else ""
+    source = (f"{n_train} training prompts{sampled} of {d.train_path}"
+              + (f" and {len(evals)} eval examples" if evals else "")
+              + f", tokenized with {where}: prompts longest {max(prompt_lens)}, 95th percentile "
+              f"{_p95(prompt_lens)} tokens; prompt + answer longest {max(chosen + rejected)}. The plan takes "
+              "the longest (every batch is padded to its longest row)")
+    return M.Lengths(prompt=max(prompt_lens), sft=max(sft), reward=max(chosen + rejected), source=source)
+
+
 def _capacity(cfg, s: M.Setup, dev: dict) -> tuple[float | None, str]:
     """Memory one process may use, and where the figure comes from."""
     gib = cfg.doctor.get("memory_gib")
@@ -144,7 +249,7 @@ def report(cfg) -> str:
         arch, source = M.arch_for_model(cfg.model)
     except ValueError as e:
         raise RlhfError(str(e)) from None
-    s = M.setup_from(cfg, len(dev["gpus"]))
+    s = M.setup_from(cfg, len(dev["gpus"]), data_lengths(cfg))
     lines.append(f"model {cfg.model.name_or_path} (values from {source})")
     lines.append(f"  vocab {arch.vocab_size}, hidden {arch.hidden_size}, {arch.num_hidden_layers} layers, "
                  f"{arch.num_attention_heads} heads / {arch.num_key_value_heads} kv heads × {arch.head_dim}, "
@@ -153,9 +258,11 @@ def report(cfg) -> str:
                  f"({M.seq_cls_params(arch) / 1e6:.1f}M as a reward / value model)")
     where = f"{s.per_machine} process(es) per machine × {s.world // max(s.per_machine, 1)} machine(s)"
     zero = f", ZeRO-{s.zero_stage}" if s.zero_stage else ""
-    lines.append(f"memory plan per process: device {cfg.device.name} ({s.strategy}{zero}), {where}, "
-                 f"weights in {s.dtype_name}; sequences at the configured maximum lengths (real batches are "
-                 "padded to their longest row)")
+    lines.append(f"memory plan per process: device {cfg.device.name} ({s.strategy}{zero}), {where}")
+    lines.append(f"  precision: frozen weights in {s.dtype_name} (model.dtype), compute {s.compute_name} "
+                 "(device.mixed_precision); trainable weights, gradients and AdamW states in fp32")
+    lines.append(f"  sequence lengths: {s.lengths.source}" if s.lengths.prompt is not None else
+                 f"  sequence lengths: the configured maxima ({s.lengths.source})")
     cap, cap_src = _capacity(cfg, s, dev)
     lines.append(f"  against: {cap_src}")
     for stage in cfg.doctor.stages:
