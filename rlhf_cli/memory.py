@@ -541,20 +541,14 @@ def recomputes_logprobs(cfg, s: Setup) -> bool:
     return v == "true" or (v == "auto" and s.compute_bytes < 4)
 
 
-def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
-    p = cfg.ppo
-    plan = StagePlan("ppo")
-    # ppo runs under ddp only
-    ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0, offload_optimizer=False,
-                 offload_params=False)
-    cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
+def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
+    """The models of a PPO run (policy + reference, value model for gae, reward model when `ppo.reward` uses
+    it), their gradients and optimizer states; returns the bytes of the autocast copies of what trains."""
     pl, pc = causal_lm_params(a), seq_cls_params(a)
     targets, r = lora_targets(p.lora.target_modules), int(p.lora.r)
     value_targets = tuple(t for t in targets if t != "lm_head")  # a value model has no LM head
-    lora, value_lora = bool(p.lora.enabled), bool(p.value_lora)
-
     copies = 0.0
-    if lora:
+    if bool(p.lora.enabled):
         _frozen(plan, ps, "policy base", pl)
         plan.items.append(Item("reference", 0, "the policy base with its adapter disabled"))
         n_policy = lora_params(a, r, targets)
@@ -563,16 +557,36 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
         n_policy = pl
         copies += _trainable(plan, ps, "policy weights", pl, "policy")
         _frozen(plan, ps, "reference weights", pl)
-    if value_lora:
+    n_value = 0
+    if str(p.get("advantage", "gae")) != "gae":
+        plan.items.append(Item("value model", 0, f"none: ppo.advantage={p.advantage} needs no critic"))
+    elif bool(p.value_lora):
         _frozen(plan, ps, "value trunk", pc)
         n_value = lora_params(a, r, value_targets) + a.hidden_size
         copies += _trainable(plan, ps, "value LoRA + score head", n_value, "value LoRA")
     else:
         n_value = pc
         copies += _trainable(plan, ps, "value model weights", pc, "value model")
-    _frozen(plan, ps, "reward model weights", pc)
+    sources = p.get("reward", ["model"])
+    if "model" in ([sources] if isinstance(sources, str) else list(sources)):
+        _frozen(plan, ps, "reward model weights", pc)
     # what a checkpoint holds: the trainable weights (fp32) and their AdamW states, plus counters and RNG
     plan.checkpoint = (n_policy + n_value) * (4 + 8)
+    return copies
+
+
+def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
+    p = cfg.ppo
+    plan = StagePlan("ppo")
+    # ppo runs under ddp only
+    ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0, offload_optimizer=False,
+                 offload_params=False)
+    cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
+    targets, r = lora_targets(p.lora.target_modules), int(p.lora.r)
+    value_targets = tuple(t for t in targets if t != "lm_head")
+    lora, value_lora = bool(p.lora.enabled), bool(p.value_lora)
+    critic = str(p.get("advantage", "gae")) == "gae"
+    copies = _ppo_weights(plan, p, a, ps)
 
     b = int(p.per_device_train_batch_size)
     resp = int(p.response_length)
@@ -622,14 +636,17 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     cast = _casts(ps)
     act_p = _activations(a, b, seq, cb, trainable=not lora, lora=targets if lora else (), r=r, cast=cast,
                          residual_bytes=wb if lora else 4)
-    act_v = _activations(a, b, seq, cb, trainable=not value_lora, lora=value_targets if value_lora else (),
-                         r=r, cast=cast, residual_bytes=wb if value_lora else 4)
+    act_v = 0.0
+    if critic:
+        act_v = _activations(a, b, seq, cb, trainable=not value_lora, lora=value_targets if value_lora else (),
+                             r=r, cast=cast, residual_bytes=wb if value_lora else 4)
     per_logit = cb + logit_temporaries(cb)
     logits = b * resp * V * per_logit
     plan.items.append(Item("policy activations", act_p, f"micro-batch {b} × {seq} tokens × {L} layers",
                            "transient"))
-    plan.items.append(Item("value activations", act_v, f"micro-batch {b} × {seq} tokens × {L} layers",
-                           "transient"))
+    if critic:
+        plan.items.append(Item("value activations", act_v, f"micro-batch {b} × {seq} tokens × {L} layers",
+                               "transient"))
     plan.items.append(Item("policy logits", logits, f"{b}·{resp}·{V} × ({cb} + {per_logit - cb}) B: logits, "
                            "fp32 log-softmax and entropy temporaries", "transient"))
     if copies:

@@ -148,6 +148,29 @@ def _read_tensors(file: Path, load_file) -> dict[str, torch.Tensor]:
                         "resume from an earlier checkpoint, or drop ppo.resume=true") from e
 
 
+def work_dir(out: Path, resume: bool) -> Path:
+    """The hidden sibling `.<name>.partial` a run is built in (and published from when it succeeds).
+    resume=True continues it from its latest checkpoint; a finished run is not resumed, and nothing changes."""
+    import shutil
+
+    from rlhf_cli.io import check_output_dir
+
+    work = out.parent / f".{out.name}.partial"
+    if resume:
+        if latest(work / "checkpoints") is not None:
+            return work
+        if (out / "metrics.json").exists():
+            done = json.loads((out / "metrics.json").read_text(encoding="utf-8")).get("total_episodes")
+            raise RlhfError(f"ppo.resume=true: {out} is a finished run ({done} episodes) and nothing was "
+                            "interrupted; drop ppo.resume=true to train a new run (it replaces this one only when "
+                            "it succeeds)")
+        raise RlhfError(f"ppo.resume=true but there is no interrupted run to resume at {work}; drop resume=true")
+    check_output_dir(out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
 def latest(directory: Path) -> Path | None:
     """The checkpoint with the highest update number under `directory` (checkpoint-N), or None."""
     ckpts = [c for c in directory.glob("checkpoint-*") if c.name.split("-", 1)[1].isdigit()]

@@ -171,6 +171,23 @@ def lora_merged(model):
             m.base_layer._parameters["weight"] = w
 
 
+def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, shared: bool, sample: bool,
+            temperature: float, warpers: list) -> torch.Tensor:
+    """One step's tokens (B,) from the raw logits (B, V): `masked` ids (EOS before min_new_tokens) excluded;
+    with `shared`, drawn from `p`, the scoring distribution itself (no warper, same temperature)."""
+    if shared:
+        # p with the masked tokens at 0: _draw renormalises, which is softmax over the unmasked tokens
+        return _draw(p.index_fill(-1, masked, 0.0) if masked is not None else p)
+    scores = raw.index_fill(-1, masked, float("-inf")) if masked is not None else raw
+    if not sample:
+        return scores.argmax(-1)
+    if temperature != 1.0:
+        scores = scores / temperature
+    for w in warpers:
+        scores = w(None, scores)
+    return _draw(torch.softmax(scores, dim=-1))
+
+
 @torch.no_grad()
 def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temperature: float = 1.0,
                 keep_logits: bool = False, vocab_size: int | None = None) -> dict:
@@ -223,20 +240,8 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
         logp = torch.log_softmax(raw if score_temperature == 1.0 else raw / score_temperature, dim=-1)
         p = logp.exp()
         entropies.append(-(p * logp).nansum(-1))
-        masked = suppress is not None and t < min_new
-        if shared:
-            # p with the masked tokens at 0: _draw renormalises, which is softmax over the unmasked tokens
-            nxt = _draw(p.index_fill(-1, suppress, 0.0) if masked else p)
-        else:
-            scores = raw.index_fill(-1, suppress, float("-inf")) if masked else raw
-            if sample:
-                if temperature != 1.0:
-                    scores = scores / temperature
-                for w in warpers:
-                    scores = w(None, scores)
-                nxt = _draw(torch.softmax(scores, dim=-1))
-            else:
-                nxt = scores.argmax(-1)
+        masked = suppress if suppress is not None and t < min_new else None
+        nxt = _choose(raw, p, masked, shared, sample, temperature, warpers)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         tokens.append(nxt)
         logprobs.append(logp.gather(-1, nxt[:, None]).squeeze(-1))

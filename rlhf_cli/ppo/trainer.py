@@ -54,6 +54,16 @@ class Hooks:
     clock: Callable[[], float] = time.perf_counter
 
 
+def update_line(update: int, num_updates: int, m: dict[str, float]) -> str:
+    """One update's headline figures as one line of text (the CLI prints it; the trainer prints nothing)."""
+    gt = f" gt {m['objective/ground_truth_rate']:.2f}" if "objective/ground_truth_rate" in m else ""
+    vf = f" vf {m['loss/value_avg']:.3f}" if "loss/value_avg" in m else ""
+    zero = f" zero-std {m['reward/frac_zero_std']:.2f}" if "reward/frac_zero_std" in m else ""
+    return (f"update {update}/{num_updates} ep {m['episodes']} score {m['objective/scores']:+.2f}"
+            f" kl {m['objective/kl']:.2f}{gt} len {m['response/length_mean']:.1f} pg {m['loss/policy_avg']:+.3f}"
+            f"{vf}{zero} clip {m['policy/clipfrac_avg']:.2f} eps {m['eps']:.1f}")
+
+
 class PromptStream:
     """Repeating, shuffled prompt stream; each process takes a disjoint shard. Its position is a checkpoint
     counter, so a resumed run continues with the prompts it would have seen. `rows` (optional, one dict per
