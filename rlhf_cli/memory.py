@@ -67,6 +67,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rlhf_cli.tiny import is_tiny_spec
+
 GiB = 2**30
 MiB = 2**20
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -148,7 +150,7 @@ def _cached_config_files(name: str, cache_dir: str | None) -> list[Path]:
 def arch_for_model(model_cfg) -> tuple[Arch, str]:
     """(architecture, where its values came from): the tiny config, a config.json, or the built-in table."""
     name = str(model_cfg.name_or_path)
-    if name == "tiny":
+    if is_tiny_spec(name):
         t = model_cfg.tiny
         # the tokenizer trained on the demo data can come out a little smaller than vocab_size: an upper bound;
         # embedding_rows, when set, is the model's vocabulary (the logits have that many entries)

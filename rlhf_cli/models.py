@@ -29,9 +29,8 @@ def setup_torch(cfg) -> None:
     seed = int(cfg.seed)
     random.seed(seed)
     torch.manual_seed(seed)
-    import transformers
-
     import datasets
+    import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -90,10 +89,10 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
 # -------------------------------------------------------------------------------------------------- sources
 def base_model_dir(cfg) -> Path:
     """The base model directory: the embedded tiny model (built on first use), a local dir, or a hub id."""
-    m = cfg.model
-    if str(m.name_or_path) == "tiny":
-        from rlhf_cli import tiny
+    from rlhf_cli import tiny
 
+    m = cfg.model
+    if tiny.is_tiny_spec(str(m.name_or_path)):
         t = m.tiny
         return tiny.build_tiny_base(t.dir, seed=int(t.seed), vocab_size=int(t.vocab_size),
                                     hidden_size=int(t.hidden_size), intermediate_size=int(t.intermediate_size),

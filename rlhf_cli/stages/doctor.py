@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from rlhf_cli import memory as M
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.tiny import is_tiny_spec
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "datasets", "hydra-core",
             "modelscope")
@@ -107,7 +108,7 @@ def tokenizer_dir(cfg) -> tuple[Path | None, str]:
     if _has_tokenizer(sft_out):
         return sft_out, str(sft_out)
     name = str(cfg.model.name_or_path)
-    if name == "tiny":
+    if is_tiny_spec(name):
         from rlhf_cli.models import base_model_dir
 
         return base_model_dir(cfg), f"{cfg.model.tiny.dir} (the tiny base)"
