@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,7 +145,7 @@ def test_global_whitening_matches_whole_batch(tmp_path, reap_children):
     mask[4:6, :2] = 1
     mask[6:] = 0
     mp.spawn(_whiten_worker, args=(2, _free_port(), x, mask, str(tmp_path)), nprocs=2, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     whole = core.masked_whiten(x, mask)
     got = torch.cat([p["whiten"] for p in parts])
     valid = mask.bool()
@@ -259,19 +260,28 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
     assert m["total_episodes"] == 128 and m["world_size"] == 2 and m["updates"] == 2
     for key in ("objective/kl", "objective/scores", "loss/policy_avg", "val/num_eos_tokens"):
         assert key in m and m[key] == m[key]  # present and not NaN
-    assert (run / "ppo" / "checkpoints" / "checkpoint-2" / "trainer_state.pt").is_file()
+    assert (run / "ppo" / "checkpoints" / "checkpoint-2" / "trainer_state.json").is_file()
     assert list((run / "ppo" / "tensorboard").iterdir())
     AutoPeftModelForCausalLM.from_pretrained(run / "ppo")
-    # resume continues the finished run on 2 processes: 2 more updates from checkpoint-2
-    rc, out, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=256", "ppo.num_mini_batches=1", "ppo.resume=true", "ppo.save_every=1")
+    # an interrupted 2-process run (killed after checkpoint 1) resumes on 2 processes and ends as the whole run
+    out = run / "ppo-resumed"
+    rc, _, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.save_every=1",
+                      f"ppo.output_dir={out}")
     assert rc == 0, err[-3000:]
-    assert "resumed from" in out + err and "checkpoint-2" in out + err
-    m = read(run / "ppo" / "metrics.json")
-    assert m["total_episodes"] == 256 and m["updates"] == 4
-    names = sorted(p.name for p in (run / "ppo" / "checkpoints").iterdir())
-    assert names == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
-    st = torch.load(run / "ppo" / "checkpoints" / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    whole = read(out / "metrics.json")
+    partial = run / ".ppo-resumed.partial"
+    shutil.copytree(out, partial)
+    shutil.rmtree(partial / "checkpoints" / "checkpoint-2")
+    (partial / "metrics.json").unlink()
+    rc, out_, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.save_every=1",
+                         f"ppo.output_dir={out}", "ppo.resume=true")
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out_ + err and "checkpoint-1" in out_ + err
+    m = read(out / "metrics.json")
+    assert m["total_episodes"] == whole["total_episodes"] == 128 and m["updates"] == 2
+    st = read(out / "checkpoints" / "checkpoint-2" / "trainer_state.json")
     assert len(st["prompts_consumed"]) == 2 and len(st["rng"]) == 2  # one entry per rank
+    assert not list(out.rglob("*.pt"))  # nothing pickled
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
 
 
