@@ -54,10 +54,11 @@ Sequence lengths: every batch is padded to its longest row, so a stage's peak fo
 meets. `rlhf doctor` tokenizes the training data with the model's tokenizer when both are on this machine
 (`Lengths`); otherwise the plan takes the configured maxima (data.max_prompt_length, <stage>.max_length).
 
-Runtime overhead (measured, see RUNTIME_OVERHEAD_MIB and ALLOCATOR_SLACK): on the CPU, what a stage allocates
-besides tensors (library code imported on first use, tokenizer, data, thread pools) and glibc's habit of
-keeping freed large blocks (peak RSS ≈ 2 × the transient tensors); on a GPU the CUDA context and the caching
-allocator.
+Runtime overhead (measured, see RUNTIME_OVERHEAD_MIB and ALLOCATOR_SLACK): on the CPU, the anonymous memory a
+stage allocates besides tensors (library objects created on first use, tokenizer, data, thread pools) and
+glibc's habit of keeping freed large blocks (peak RSS ≈ 2 × the transient tensors); on a GPU the CUDA context and
+the caching allocator. The pages of mapped library files are left out: how many of them are resident depends on
+the page cache (a freshly installed environment maps more of each file), not on the run.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # trainer, thread pools. They follow the stages' code: re-measure when a stage changes what it allocates
 # (tests/test_doctor.py's slow test compares every stage with its plan).
 # GPUs: CUDA context and the caching allocator's reserve, an assumption (no GPU to measure here).
-RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 100, "reward": 50, "ppo": 105},
+RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 32},
                         "cuda": {"sft": 768, "reward": 768, "ppo": 768}}
 # Peak RSS / peak live transient tensors: glibc's malloc raises its mmap threshold after frees, so freed
 # activation and logits buffers stay resident (measured 1.9-2.2 on the tiny PPO runs). PyTorch's CUDA caching

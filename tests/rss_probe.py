@@ -20,6 +20,17 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def anon_rss() -> int:
+    """Anonymous resident memory (bytes): what the run allocates. Unlike the whole RSS it leaves out the pages of
+    mapped library files, whose resident share depends on the page cache (a freshly installed environment maps
+    more of each file), not on the run."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main(argv: list[str]) -> None:
     import psutil
 
@@ -43,15 +54,14 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     cfg = compose(command, overrides)
     proc = psutil.Process()
-    baseline = proc.memory_info().rss
-    peak = [baseline]
+    baseline, anon_base = proc.memory_info().rss, anon_rss()
+    peak, anon_peak = [baseline], [anon_base]
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            rss = proc.memory_info().rss
-            if rss > peak[0]:
-                peak[0] = rss
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            anon_peak[0] = max(anon_peak[0], anon_rss())
             time.sleep(0.002)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -63,7 +73,8 @@ def main(argv: list[str]) -> None:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     top = max(peak[0], maxrss)
     print(json.dumps({"command": command, "baseline_mib": baseline / 2**20, "peak_mib": top / 2**20,
-                      "growth_mib": (top - baseline) / 2**20, "seconds": time.perf_counter() - t0}))
+                      "growth_mib": (top - baseline) / 2**20, "anon_growth_mib": (anon_peak[0] - anon_base) / 2**20,
+                      "seconds": time.perf_counter() - t0}))
 
 
 if __name__ == "__main__":

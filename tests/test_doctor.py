@@ -312,8 +312,8 @@ def test_doctor_qwen_recipe_offline(run_cli):
 # ------------------------------------------------------------------------- plan against measured peak RSS
 @pytest.mark.slow
 def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
-    """Peak RSS growth of `rlhf sft`, `rlhf reward` and `rlhf ppo` (tiny recipe, each in a fresh process,
-    after its imports) against each stage's plan, with the lengths the doctor reads from the data. The same run
+    """Peak growth of the anonymous resident memory of `rlhf sft`, `rlhf reward` and `rlhf ppo` (tiny recipe, each
+    in a fresh process, after its imports) against each stage's plan, with the lengths the doctor reads from the data. The same run
     reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on timing), so each stage runs
     twice and its peak is the higher one."""
     from rlhf_cli.stages.doctor import data_lengths
@@ -331,7 +331,9 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
             p = subprocess.run([sys.executable, str(PROBE), stage, *common, *ov], cwd=tmp_path, env=env,
                                capture_output=True, text=True, timeout=600, check=False)
             assert p.returncode == 0, p.stderr[-2000:]
-            peaks.append(json.loads(p.stdout.strip().splitlines()[-1])["growth_mib"] * M.MiB)
+            # anonymous memory: library file pages resident or not depend on the page cache (a fresh clone's
+            # environment maps more of each .so), not on the run
+            peaks.append(json.loads(p.stdout.strip().splitlines()[-1])["anon_growth_mib"] * M.MiB)
         measured = max(peaks)
         cfg = compose(stage, [*common, *ov])
         s = M.setup_from(cfg, 0, data_lengths(cfg))
