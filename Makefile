@@ -8,7 +8,7 @@ RECIPE ?= tiny
 ARGS ?=
 RLHF := $(BIN)/rlhf
 
-.PHONY: help install sft reward ppo eval chain chain-grpo chain-rule chat test test-fast bench real-check gpu-check dist clean
+.PHONY: help install sft reward ppo eval chain chain-grpo chain-rule chat test test-fast bench bench-real real-check gpu-check dist clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -60,6 +60,9 @@ test-fast: install ## unit tests only
 
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
 	$(BIN)/python bench/run.py
+
+bench-real: install ## rlhf vs TRL 1.12 on Qwen3-0.6B's shape (random weights), LoRA, fp32 and bf16 (~35 min, ~20 GB RAM)
+	$(BIN)/python bench/run.py --real
 
 real-check: install ## the qwen3-0.6b recipe on Qwen3-0.6B's exact shape (random weights), bf16, CPU: every stage (~10 min)
 	$(BIN)/python bench/real_check.py $(ARGS)

@@ -8,7 +8,15 @@ Run with the project's environment:
 The settings are those of bench/trl_side.py (the comparison contract): 32 episodes per update (micro-batch 8 x
 gradient accumulation 4), one rollout forward batch of 32, 2 PPO epochs, 1 mini-batch, lr 5e-6, temperature 0.7,
 no stop token (every response is exactly --response-length tokens), no EOS or empty-response penalty, raw
-reward-model scores, value model initialised from the reward model, CPU fp32, no sample tables.
+reward-model scores, value model initialised from the reward model, CPU, no sample tables.
+--episodes-per-update E --micro-batch M change the batch to E episodes per update (micro-batch M x accumulation
+E/M, rollout forward batch E; the real workload uses 8 = 2 x 4).
+
+--precision fp32 (default): model.dtype=float32 device.mixed_precision=no, everything in fp32.
+--precision bf16: model.dtype=bfloat16 device.mixed_precision=bf16: frozen weights (the LoRA policy's base, which
+is also the reference, and the reward model) stored in bf16; trainable weights (LoRA adapters, the value model)
+fp32 master weights; every forward under bf16 autocast; old log-probs recomputed with the training forward
+(ppo.recompute_logprobs=auto).
 
 variant lora: LoRA r 8 / alpha 16 on all linear layers; the reference is the policy with its adapter disabled.
 variant full: full fine-tuning (ppo.lora.enabled=false); the reference is a frozen copy of the policy.
@@ -23,7 +31,13 @@ Per-update times go from the start of an update (before it asks for its prompts,
 next such moment; the last update ends when its metrics are logged, before the stage writes its final checkpoint
 (TRL's side saves nothing). train_s is their sum; eps = episodes /
 train_s. The stage's own `train_seconds` (which also counts the set-up before the first update and the writing
-of the outputs) is kept as stage_train_s.
+of the outputs) is kept as stage_train_s. The split of each update comes from the trainer's own metrics:
+time/generate_s (sampling), time/score_s (old / reference log-probs, values, reward-model scores),
+time/train_s (the PPO epochs); the rest of an update (advantages, metrics, logging) is other_s.
+
+Peak RSS is the process's VmHWM; the result also keeps RssAnon / RssFile at the end of the run (anonymous memory
+and mapped files), because the file part depends on how the library files sit in the page cache (see
+bench/run.py: the benchmark runs this side from a private copy of the project's environment for that reason).
 """
 
 from __future__ import annotations
@@ -39,7 +53,6 @@ from pathlib import Path
 
 EPISODES_PER_UPDATE = 32
 PER_DEVICE_BATCH = 8
-GRAD_ACCUM = 4
 PREP_VERSION = 1
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=8)
     p.add_argument("--response-length", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--episodes-per-update", type=int, default=EPISODES_PER_UPDATE)
+    p.add_argument("--micro-batch", type=int, default=PER_DEVICE_BATCH)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", default=None, help="keep the stage's run directory here (default: a temp dir, removed)")
     p.add_argument("--profile", default=None, help="also write a cProfile of the stage run (models loaded, loop) here")
@@ -61,10 +77,18 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------- preparation
+def _link_or_copy(src: str, dst: str) -> None:
+    """Weights are hard-linked (the real workload's are 1.2 GB each), copied where links are not possible."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _copy_with_tokenizer(src: Path, tok_dir: Path, dst: Path) -> None:
     tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
     for f in tok_dir.iterdir():
         if f.is_file():
             shutil.copy2(f, tmp / f.name)
@@ -116,10 +140,52 @@ def check_prompt_tokens(wdir: Path, cfg, policy_dir: Path) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------- main
+def phase_intervals(t0: float, t1: float, stamps: list[float], end: list[float], split: dict) -> list:
+    """(name, start, end) of the run's phases: loading (until the first update), each update's generation,
+    scoring, PPO epochs and rest (from the trainer's time/* metrics), then saving."""
+    if not stamps or not end:
+        return [("run", t0, t1)]
+    out = [("load", t0, stamps[0])]
+    bounds = stamps + [end[-1]]
+    for i in range(len(stamps)):
+        a = bounds[i]
+        for key, name in (("generate_s", "generate"), ("score_s", "score"), ("train_s", "train")):
+            vals = split.get(key) or []
+            if i < len(vals):
+                out.append((f"update {i + 1} {name}", a, a + vals[i]))
+                a += vals[i]
+        out.append((f"update {i + 1} other", a, bounds[i + 1]))
+    out.append(("save", end[-1], t1))
+    return out
+
+
+def code_digest() -> str:
+    """A digest of rlhf_cli's sources as this run imported them (the tree changes while others work on it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((REPO / "rlhf_cli").rglob("*.py")):
+        h.update(f.relative_to(REPO).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def memory_status() -> dict:
+    """VmHWM (peak RSS), RssAnon and RssFile of this process now, in MB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            out[key] = round(int(line.split()[1]) / 1024.0, 1)
+    return out
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.updates < 1 or a.response_length < 1 or a.threads < 1:
         raise SystemExit("--updates, --response-length and --threads must be >= 1")
+    if a.micro_batch < 1 or a.episodes_per_update % a.micro_batch:
+        raise SystemExit("--micro-batch must divide --episodes-per-update")
 
     # Thread pools are sized when torch first loads; set the environment before importing it.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -142,12 +208,15 @@ def main(argv=None) -> int:
     from rlhf_cli.stages import ppo as ppo_mod
 
     logging.getLogger("rlhf").setLevel(logging.WARNING)
+    digest = code_digest()
     wdir = Path(a.workload_dir).resolve()
     meta = json.loads((wdir / "workload.json").read_text())
     paths = prepare(wdir)
 
     run_dir = Path(a.keep).resolve() if a.keep else Path(tempfile.mkdtemp(prefix="rlhf_ppo_bench_"))
-    episodes = a.updates * EPISODES_PER_UPDATE
+    episodes = a.updates * a.episodes_per_update
+    precision = {"fp32": ["model.dtype=float32", "device.mixed_precision=no"],
+                 "bf16": ["model.dtype=bfloat16", "device.mixed_precision=bf16"]}[a.precision]
     overrides = [
         f"run_dir={run_dir}",
         f"seed={a.seed}",
@@ -156,8 +225,8 @@ def main(argv=None) -> int:
         "data.ground_truth=null",
         "data.chat_template=false",
         "data.max_prompt_length=128",
-        "model.dtype=float32",
         "device=cpu",
+        *precision,
         f"device.threads={a.threads}",
         f"ppo.policy_dir={paths['policy']}",
         f"ppo.reward_dir={paths['reward']}",
@@ -167,10 +236,10 @@ def main(argv=None) -> int:
         "ppo.lora.r=8",
         "ppo.lora.alpha=16",
         "ppo.lora.target_modules=all-linear",
-        f"ppo.per_device_train_batch_size={PER_DEVICE_BATCH}",
-        f"ppo.gradient_accumulation_steps={GRAD_ACCUM}",
+        f"ppo.per_device_train_batch_size={a.micro_batch}",
+        f"ppo.gradient_accumulation_steps={a.episodes_per_update // a.micro_batch}",
         "ppo.num_mini_batches=1",
-        f"ppo.rollout_forward_batch_size={EPISODES_PER_UPDATE}",
+        f"ppo.rollout_forward_batch_size={a.episodes_per_update}",
         "ppo.num_ppo_epochs=2",
         "ppo.learning_rate=5e-6",
         "ppo.temperature=0.7",
@@ -223,6 +292,10 @@ def main(argv=None) -> int:
         from transformers import GenerationConfig, get_scheduler  # noqa: F401
 
         profiler = cProfile.Profile()
+    from memtrace import RssSampler
+
+    sampler = RssSampler()
+    sampler.start()
     t_run0 = time.perf_counter()
     if profiler is not None:
         profiler.runcall(ppo_mod.run, cfg, hooks)
@@ -230,6 +303,7 @@ def main(argv=None) -> int:
     else:
         ppo_mod.run(cfg, hooks)
     t_run1 = time.perf_counter()
+    sampler.stop()
 
     # after the run, so that the check's tokenizers and rows are not part of the measured peak RSS
     n_prompts = check_prompt_tokens(wdir, cfg, paths["policy"])
@@ -244,13 +318,19 @@ def main(argv=None) -> int:
         train_s = stage_train_s
         s_per_update = [round(train_s / a.updates, 4)] * a.updates
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    mem = memory_status()
+    split = {key: [round(v, 4) for v in logged.get(f"time/{key}", [])] for key in ("generate_s", "score_s", "train_s")}
+    if all(len(v) == len(s_per_update) for v in split.values()):
+        split["other_s"] = [round(t - sum(v[i] for v in split.values()), 4) for i, t in enumerate(s_per_update)]
 
+    phases = phase_intervals(t_run0, t_run1, stamps, end_stamp, split)
     scores = logged.get("objective/scores", [])
     trainable = captured.get("trainable")
 
     result = {
         "side": "rlhf",
         "rlhf_version": getattr(rlhf_cli, "__version__", None),
+        "rlhf_cli_digest": digest,
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "variant": a.variant,
@@ -258,11 +338,24 @@ def main(argv=None) -> int:
         "workload_dir": str(wdir),
         "updates": a.updates,
         "episodes": episodes,
+        "episodes_per_update": a.episodes_per_update,
+        "micro_batch": a.micro_batch,
+        "precision": a.precision,
+        "precision_detail": {"fp32": "fp32 weights and compute",
+                             "bf16": "frozen weights (LoRA base = reference, reward model) bf16, trainable "
+                                     "(LoRA, value model) fp32, bf16 autocast, old log-probs recomputed"}[a.precision],
         "response_length": a.response_length,
+        "response_tokens": episodes * a.response_length,
         "train_s": round(train_s, 4),
         "eps": round(episodes / train_s, 3),
+        "tokens_per_s": round(episodes * a.response_length / train_s, 2),
         "s_per_update": s_per_update,
+        "split_s": split,
         "peak_rss_mb": round(peak_rss_mb, 1),
+        "rss_anon_end_mb": mem.get("RssAnon"),
+        "rss_file_end_mb": mem.get("RssFile"),
+        "rss_peak_phase": sampler.peak_phase(phases),
+        "rss_phase_peaks_mb": sampler.phase_peaks([(n.split()[-1], a, b) for n, a, b in phases]),
         "cpu_s": round(cpu_stamps[-1] - cpu_stamps[0], 4) if len(cpu_stamps) > 1 else None,
         "threads": a.threads,
         "gc_disabled": False,  # the stage never forces a collection; automatic collection stays on

@@ -1,16 +1,20 @@
 """PPO benchmark: rlhf's PPO stage against TRL 1.12's PPOTrainer, side by side (`make bench`).
 
-    .venv/bin/python bench/run.py            # everything (about 25 min on a quiet 2-core box at 1 thread)
+    .venv/bin/python bench/run.py            # tiny, mini, mid, small (about 40 min on a quiet 2-core box, 1 thread)
     .venv/bin/python bench/run.py --quick    # smoke run: 1 repetition, few updates, results in bench/work/
     .venv/bin/python bench/run.py --only speed --workloads tiny --reps 5
+    .venv/bin/python bench/run.py --real     # `make bench-real`: Qwen3-0.6B's shape, LoRA, fp32 and bf16 (~50 min)
     .venv/bin/python bench/run.py --report-only   # rebuild bench/results/README.md from the JSON files
 
 What it does, in order:
-  1. bench/setup_trl_env.sh: bench/.venv-trl112 with trl==1.12.0 (once).
-  2. bench/workload.py: the tiny and small workloads in bench/work/ (once; deterministic).
+  1. bench/setup_trl_env.sh: bench/.venv-trl112 with trl==1.12.0 (once); bench/setup_rlhf_env.sh:
+     bench/.venv-rlhf, a private copy of .venv that the rlhf side runs from (see that script for why).
+  2. bench/workload.py: the workloads in bench/work/ (once; deterministic).
   3. speed: for each workload and variant (lora, full), repetitions of TRL, TRL without its forced
      gc.collect() calls (--no-gc), and rlhf, alternating (A B C A B C ...), each run in its own process with
      the same torch thread count. Settings are fixed by bench/trl_side.py and bench/rlhf_side.py.
+     --levers adds rlhf with the speed levers of bench/levers.py (changes not in rlhf_cli, applied at run time).
+     --real instead runs the real workload (LoRA; fp32, then bf16; TRL and rlhf alternating) into real.json.
   4. roofline: the fp32 matmul rate of this machine at that thread count (torch.matmul on square matrices),
      and the achieved GFLOP/s of a PPO update on the small workload for both sides.
   5. learning: bench/learning.py (demo task, equal episodes, both sides; RM score gain and polite rate).
@@ -33,13 +37,27 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = REPO / ".venv" / "bin" / "python"
+RLHF_PY = HERE / ".venv-rlhf" / "bin" / "python"  # private copy of .venv (bench/setup_rlhf_env.sh)
 TRL_PY = HERE / ".venv-trl112" / "bin" / "python"
 EPISODES_PER_UPDATE = 32
 PPO_EPOCHS = 2
 
-FULL = {"tiny": {"updates": 8, "response_length": 32}, "small": {"updates": 4, "response_length": 64}}
-QUICK = {"tiny": {"updates": 2, "response_length": 32}, "small": {"updates": 1, "response_length": 64}}
-SIDES = {"trl": "TRL 1.12", "trl_nogc": "TRL 1.12, gc off", "rlhf": "rlhf"}
+FULL = {"tiny": {"updates": 8, "response_length": 32}, "mini": {"updates": 8, "response_length": 32},
+        "mid": {"updates": 4, "response_length": 64}, "small": {"updates": 4, "response_length": 64}}
+QUICK = {"tiny": {"updates": 2, "response_length": 32}, "mini": {"updates": 2, "response_length": 32},
+         "mid": {"updates": 1, "response_length": 64}, "small": {"updates": 1, "response_length": 64}}
+# the real workload: 8 episodes per update (micro-batch 2 x accumulation 4, rollout batch 8), 2 updates x 32 tokens
+REAL = {"updates": 2, "response_length": 32, "episodes_per_update": 8, "micro_batch": 2}
+QUICK_REAL = {"updates": 1, "response_length": 4, "episodes_per_update": 2, "micro_batch": 1}
+BETWEEN = ("mini", "mid")  # the sizes between tiny and small
+SIDES = {"trl": "TRL 1.12", "trl_nogc": "TRL 1.12, gc off", "rlhf": "rlhf",
+         "rlhf_levers": "rlhf + levers (not in rlhf_cli)",
+         "rlhf_levers_mem": "rlhf + levers + frozen value embedding (not in rlhf_cli)"}
+# bench/levers.py levers per side; the real workload's sampling is long enough to price the LoRA merge
+LEVERS = {"rlhf_levers": ["fused_adam", "sorted_micro"],
+          "rlhf_levers_real": ["fused_adam", "sorted_micro", "no_merge", "contiguous_prefill_head"],
+          "rlhf_levers_mem_real": ["fused_adam", "sorted_micro", "no_merge", "contiguous_prefill_head",
+                                   "frozen_value_embedding"]}
 
 
 def log(msg: str) -> None:
@@ -67,6 +85,8 @@ def setup(work: Path, workloads: list[str], logfile: Path, need_trl: bool) -> No
     if need_trl:
         log("TRL 1.12 environment (bench/setup_trl_env.sh)")
         run_cmd(["bash", HERE / "setup_trl_env.sh"], logfile, 1)
+    log("rlhf environment copy (bench/setup_rlhf_env.sh)")
+    run_cmd(["bash", HERE / "setup_rlhf_env.sh"], logfile, 1)
     for name in workloads:
         log(f"workload {name}")
         run_cmd([PY, HERE / "workload.py", name, work / name], logfile, 1)
@@ -87,18 +107,27 @@ def settle_page_cache() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ speed
-def one_run(side: str, wl: str, variant: str, shape: dict, threads: int, raw: Path, rep: int, logfile: Path) -> dict:
-    out = raw / f"{wl}_{variant}_{side}_r{rep}.json"
+def one_run(side: str, wl: str, variant: str, shape: dict, threads: int, raw: Path, rep: int, logfile: Path,
+            precision: str = "fp32") -> dict:
+    tag = "" if precision == "fp32" else f"_{precision}"
+    out = raw / f"{wl}_{variant}{tag}_{side}_r{rep}.json"
     common = ["--workload-dir", raw.parent / wl, "--variant", variant, "--updates", shape["updates"],
-              "--response-length", shape["response_length"], "--threads", threads, "--out", out]
+              "--response-length", shape["response_length"], "--threads", threads, "--precision", precision,
+              "--out", out]
+    if "episodes_per_update" in shape:
+        common += ["--episodes-per-update", shape["episodes_per_update"], "--micro-batch", shape["micro_batch"]]
     if side == "rlhf":
-        cmd = [PY, HERE / "rlhf_side.py", *common]
+        cmd = [RLHF_PY, HERE / "rlhf_side.py", *common]
+    elif side.startswith("rlhf_levers"):
+        levers = LEVERS.get(f"{side}_real" if wl == "real" else side) or LEVERS[f"{side}_real"]
+        cmd = [RLHF_PY, HERE / "levers.py", "--lever", *levers, "--", *common]
     else:
         cmd = [TRL_PY, HERE / "trl_side.py", *common, *(["--no-gc"] if side == "trl_nogc" else [])]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     run_cmd(cmd, logfile, threads)
     res = json.loads(out.read_text())
+    res.setdefault("precision", precision)
     res.update({"side_key": side, "rep": rep, "process_s": round(time.perf_counter() - t0, 2),
                 "loadavg_before": round(load0, 2), "loadavg_after": round(os.getloadavg()[0], 2)})
     return res
@@ -112,10 +141,26 @@ def stats(xs: list[float]) -> dict:
             "n": len(xs)}
 
 
+SPLIT_KEYS = ("generate_s", "score_s", "train_s", "other_s")
+
+
+def split_stats(rs: list[dict]) -> dict | None:
+    """Median seconds per update of each phase over the runs (every update of every run pooled)."""
+    if not all(r.get("split_s") for r in rs):
+        return None
+    return {k: round(statistics.median([x for r in rs for x in r["split_s"].get(k, [])]), 4)
+            for k in SPLIT_KEYS if all(r["split_s"].get(k) for r in rs)}
+
+
+def group_key(r: dict) -> tuple:
+    return r["workload"], r["variant"], r.get("precision", "fp32")
+
+
 def summarise_speed(runs: list[dict]) -> dict:
     out = {}
-    for key in sorted({(r["workload"], r["variant"]) for r in runs}):
-        group = [r for r in runs if (r["workload"], r["variant"]) == key]
+    order = {w: i for i, w in enumerate(["tiny", "mini", "mid", "small", "real"])}
+    for key in sorted({group_key(r) for r in runs}, key=lambda k: (order.get(k[0], 9), k[1], k[2] != "fp32")):
+        group = [r for r in runs if group_key(r) == key]
         sides = {}
         for side in SIDES:
             rs = sorted((r for r in group if r["side_key"] == side), key=lambda r: r["rep"])
@@ -123,30 +168,42 @@ def summarise_speed(runs: list[dict]) -> dict:
                 continue
             sides[side] = {
                 "eps": stats([r["eps"] for r in rs]),
+                "tokens_per_s": stats([r["episodes"] * r["response_length"] / r["train_s"] for r in rs]),
                 "s_per_update": stats([r["train_s"] / r["updates"] for r in rs]),
+                "split_s_median": split_stats(rs),
+                "rss_peak_phases": [r.get("rss_peak_phase", {}).get("phase") for r in rs],
+                "precision_detail": rs[0].get("precision_detail"),
                 "peak_rss_mb": stats([r["peak_rss_mb"] for r in rs]),
                 "cpu_eps": stats([r["episodes"] / r["cpu_s"] if r.get("cpu_s") else None for r in rs]),
                 "gc_s_per_update": stats([r["gc_s"] / r["updates"] for r in rs if r.get("gc_s") is not None])
                 if side == "trl" else None,
+                "loadavg_runs": [r["loadavg_before"] for r in rs],
                 "eps_cv": round(statistics.pstdev([r["eps"] for r in rs]) / statistics.mean([r["eps"] for r in rs]), 3),
                 "loadavg": stats([r["loadavg_before"] for r in rs]),
             }
         pairs = []
-        ours = {r["rep"]: r for r in group if r["side_key"] == "rlhf"}
-        for side in ("trl", "trl_nogc"):
+        for me, side in [(m, t) for m in ("rlhf", "rlhf_levers", "rlhf_levers_mem") for t in ("trl", "trl_nogc")]:
+            ours = {r["rep"]: r for r in group if r["side_key"] == me}
             theirs = {r["rep"]: r for r in group if r["side_key"] == side}
             for rep in sorted(set(ours) & set(theirs)):
                 a, b = ours[rep], theirs[rep]
-                pairs.append({"rep": rep, "vs": side, "eps_ratio": round(a["eps"] / b["eps"], 3),
+                pairs.append({"rep": rep, "me": me, "vs": side, "eps_ratio": round(a["eps"] / b["eps"], 3),
                               "rss_ratio": round(a["peak_rss_mb"] / b["peak_rss_mb"], 3),
                               "cpu_eps_ratio": round(b["cpu_s"] / a["cpu_s"], 3)
                               if a.get("cpu_s") and b.get("cpu_s") else None})
-        ratios = {side: {"eps_ratio": stats([p["eps_ratio"] for p in pairs if p["vs"] == side]),
-                         "rss_ratio": stats([p["rss_ratio"] for p in pairs if p["vs"] == side]),
-                         "cpu_eps_ratio": stats([p["cpu_eps_ratio"] for p in pairs if p["vs"] == side])}
-                  for side in ("trl", "trl_nogc") if any(p["vs"] == side for p in pairs)}
-        out[f"{key[0]}/{key[1]}"] = {"workload": key[0], "variant": key[1], "sides": sides, "pairs": pairs,
-                                     "ratios": ratios}
+        ratios = {}
+        for me in ("rlhf", "rlhf_levers", "rlhf_levers_mem"):
+            for side in ("trl", "trl_nogc"):
+                ps = [p for p in pairs if p["me"] == me and p["vs"] == side]
+                if ps:
+                    name = side if me == "rlhf" else f"{me}:{side}"
+                    ratios[name] = {"eps_ratio": stats([p["eps_ratio"] for p in ps]),
+                                    "rss_ratio": stats([p["rss_ratio"] for p in ps]),
+                                    "cpu_eps_ratio": stats([p["cpu_eps_ratio"] for p in ps]),
+                                    "me": me, "vs": side}
+        name = f"{key[0]}/{key[1]}" + ("" if key[2] == "fp32" else f"/{key[2]}")
+        out[name] = {"workload": key[0], "variant": key[1], "precision": key[2], "sides": sides, "pairs": pairs,
+                     "ratios": ratios}
     return out
 
 
@@ -156,26 +213,53 @@ def speed(args, work: Path, shapes: dict, logfile: Path) -> list[dict]:
     runs = []
     for wl in args.workloads:
         for variant in args.variants:
-            sides = ["trl", "rlhf"]
-            if wl == "tiny" or args.nogc_everywhere:
-                sides.insert(1, "trl_nogc")
-            for rep in range(1, args.reps + 1):
+            sides = ["trl", "trl_nogc", "rlhf"]
+            if args.levers and wl in BETWEEN:
+                sides.append("rlhf_levers")
+            for rep in range(args.rep_start, args.rep_start + args.reps):
                 for side in sides:
                     r = one_run(side, wl, variant, shapes[wl], args.threads, raw, rep, logfile)
                     runs.append(r)
-                    log(f"{wl:5s} {variant:4s} {SIDES[side]:17s} rep {rep}: {r['eps']:8.2f} eps/s, "
+                    log(f"{wl:5s} {variant:4s} {SIDES[side][:17]:17s} rep {rep}: {r['eps']:8.2f} eps/s, "
                         f"{r['train_s'] / r['updates']:7.3f} s/update, peak RSS {r['peak_rss_mb']:7.1f} MB "
                         f"(load {r['loadavg_before']:.1f})")
     return runs
+
+
+def real(args, work: Path, logfile: Path) -> list[dict]:
+    """The real workload: LoRA, each precision in turn, TRL and rlhf alternating (A B A B)."""
+    raw = work / ("results-real-quick" if args.quick else "results-real")
+    raw.mkdir(parents=True, exist_ok=True)
+    shape = QUICK_REAL if args.quick else REAL
+    runs = []
+    mm = [matmul_rate(args.threads, d) for d in ("float32", "bfloat16")]
+    log("matmul: " + ", ".join(f"{m['dtype']} {m['gflops']} GFLOP/s" for m in mm))
+    for precision in args.precisions:
+        for rep in range(args.rep_start, args.rep_start + args.reps):
+            for side in args.sides:
+                settle_page_cache()  # the previous run's 15 GB leave no trace in the next one's page faults
+                r = one_run(side, "real", "lora", shape, args.threads, raw, rep, logfile, precision)
+                runs.append(r)
+                sp = r.get("split_s") or {}
+                log(f"real {precision} {SIDES[side]:8s} rep {rep}: {r['eps']:.4f} eps/s, {r['tokens_per_s']:.2f} tok/s, "
+                    f"peak RSS {r['peak_rss_mb']:.0f} MB, split " + " ".join(f"{k[:-2]} {sum(v):.1f}" for k, v in sp.items())
+                    + f" (load {r['loadavg_before']:.1f})")
+    mm += [matmul_rate(args.threads, d) for d in ("float32", "bfloat16")]
+    log("matmul: " + ", ".join(f"{m['dtype']} {m['gflops']} GFLOP/s" for m in mm[2:]))
+    meta = json.loads((work / "real" / "workload.json").read_text())
+    flops = real_flops(meta, mean_padded_prompt(work / "real", batch=shape["episodes_per_update"]),
+                       shape["response_length"], shape["episodes_per_update"])
+    return runs, {"matmul": mm, "flops": flops}
 
 
 # --------------------------------------------------------------------------------------------- roofline
 MATMUL_SCRIPT = r"""
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
+dtype = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
 out = {}
 for n in (1024, 1536, 2048):
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(2):
         torch.matmul(a, b)
     best = []
@@ -190,11 +274,11 @@ print(json.dumps(out))
 """
 
 
-def matmul_rate(threads: int) -> dict:
-    r = subprocess.run([str(PY), "-c", MATMUL_SCRIPT, str(threads)], env=env_for(threads), capture_output=True,
-                       text=True, check=True)
+def matmul_rate(threads: int, dtype: str = "float32") -> dict:
+    r = subprocess.run([str(PY), "-c", MATMUL_SCRIPT, str(threads), dtype], env=env_for(threads),
+                       capture_output=True, text=True, check=True)
     rates = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"by_size": rates, "gflops": max(rates.values()), "loadavg": round(os.getloadavg()[0], 2)}
+    return {"by_size": rates, "gflops": max(rates.values()), "dtype": dtype, "loadavg": round(os.getloadavg()[0], 2)}
 
 
 def mean_padded_prompt(wdir: Path, batch: int = EPISODES_PER_UPDATE, draws: int = 2000) -> float:
@@ -227,6 +311,28 @@ def update_flops(meta: dict, P: float, R: int, variant: str, B: int = EPISODES_P
             "update_gflop_executed": round((gen + score + train_exec) / 1e9, 2)}
 
 
+def real_flops(meta: dict, P: float, R: int, B: int, epochs: int = PPO_EPOCHS) -> dict:
+    """Matmul FLOPs of one update of the real workload (LoRA policy, full value model), per side: TRL runs the LM
+    head over every position of its reference and training forwards, rlhf over the R response positions only;
+    rlhf in bf16 adds the recomputation of the old log-probs (one more policy forward)."""
+    s = meta["shape"]
+    d, L, h, kv, hd, ff = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
+                           s["num_key_value_heads"], s["head_dim"], s["intermediate_size"])
+    N = L * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * ff)
+    head = d * meta.get("embedding_rows", meta["vocab_size"])
+    T = B * (P + R)
+    gen = 2 * N * B * (P + R - 1) + 2 * head * B * R
+    out = {"N_block_params": N, "lm_head_params": head, "P_mean": round(P, 2), "R": R, "B": B}
+    for side, head_pos in (("rlhf", B * R), ("trl", T)):
+        score = 3 * 2 * N * T + 2 * head * head_pos  # reference (head), value, reward
+        train = epochs * (4 * N * T + 4 * head * head_pos + 6 * N * T)  # LoRA policy fwd + input grads; value 6N
+        out[side] = {"gen_gflop": round(gen / 1e9, 1), "score_gflop": round(score / 1e9, 1),
+                     "train_gflop": round(train / 1e9, 1), "update_gflop": round((gen + score + train) / 1e9, 1)}
+    recompute = 2 * N * T + 2 * head * B * R
+    out["rlhf_bf16_extra_gflop"] = round(recompute / 1e9, 1)
+    return out
+
+
 def roofline(runs: list[dict], work: Path, mm: list[dict], wl: str = "small") -> dict:
     meta = json.loads((work / wl / "workload.json").read_text())
     P = mean_padded_prompt(work / wl)
@@ -257,7 +363,8 @@ def fmt3(st: dict, nd: int = 2) -> str:
     return f"{st['min']:.{nd}f} / **{st['median']:.{nd}f}** / {st['max']:.{nd}f}"
 
 
-def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta: dict) -> str:
+def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta: dict,
+             real_res: dict | None = None) -> str:
     L = ["# PPO benchmark: rlhf vs TRL 1.12 PPOTrainer", ""]
     L += [f"Machine: {meta.get('machine', '?')}; torch threads per process: {meta.get('threads')}; "
           f"generated {meta.get('date', '?')} by `{meta.get('command', 'bench/run.py').strip()}` "
@@ -270,11 +377,16 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               "model loading excluded on both sides). Peak RSS is the process's maximum resident set "
               f"(clean page cache dropped after the installs: {meta.get('page_cache', 'not recorded')}; see "
               "`settle_page_cache` in bench/run.py). "
-              f"Runs alternate between the sides ({runs_meta.get('reps', '?')} each), one process per run. "
+              f"Runs alternate between the sides ({runs_meta.get('reps', '?')} each), one process per run; the "
+              "rlhf side runs from bench/.venv-rlhf, a private copy of .venv (bench/setup_rlhf_env.sh says why). "
               "Settings: 32 episodes per update (8 × 4 accumulation), rollout batch 32, 2 PPO epochs, "
               "1 mini-batch, lr 5e-6, temperature 0.7, no stop token, fp32 CPU; "
               + ", ".join(f"{w}: {sh['updates']} updates × {sh['response_length']} tokens"
-                          for w, sh in runs_meta.get("shapes", FULL).items()) + ".", "",
+                          for w, sh in runs_meta.get("shapes", FULL).items()) + ". Shapes (hidden / layers / heads "
+              "/ kv heads / head_dim / intermediate, vocabulary 1,500): tiny 64/2/4/2/16/128, mini 128/4/4/2/32/384, "
+              "mid 256/4/4/2/64/768, small 512/6/8/4/64/1536. "
+              "'rlhf + levers' is rlhf with bench/levers.py's changes applied at run time (fused AdamW, "
+              "micro-batches grouped by prompt length); they are not in rlhf_cli.", "",
               "| workload | variant | side | episodes/s | s per update | peak RSS (MB) | runs |",
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
@@ -287,8 +399,14 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
             for side, r in g["ratios"].items():
-                L.append(f"| {g['workload']} | {g['variant']} | {SIDES[side]} | {fmt3(r['eps_ratio'])} | "
-                         f"{fmt3(r['cpu_eps_ratio'])} | {fmt3(r['rss_ratio'], 3)} | {r['eps_ratio']['n']} |")
+                who = "" if r.get("me", "rlhf") == "rlhf" else " (rlhf + levers)"
+                L.append(f"| {g['workload']} | {g['variant']} | {SIDES[r.get('vs', side)]}{who} | "
+                         f"{fmt3(r['eps_ratio'])} | {fmt3(r['cpu_eps_ratio'])} | {fmt3(r['rss_ratio'], 3)} | "
+                         f"{r['eps_ratio']['n']} |")
+        L += split_table(speed_res["groups"], "Time split, median seconds per update (every update of every run): "
+                         "generation, scoring (old / reference log-probs, values, reward scores; TRL: up to its first "
+                         "forward with gradients, so its advantages too), the PPO epochs, and the rest (rlhf: "
+                         "advantages, metrics; TRL: the forced gc.collect() calls and the batch request).")
         gcs = [(g["workload"], g["variant"], g["sides"]["trl"]["gc_s_per_update"], g["sides"]["trl"]["s_per_update"])
                for g in speed_res["groups"].values() if "trl" in g["sides"] and g["sides"]["trl"]["gc_s_per_update"]]
         if gcs:
@@ -305,6 +423,8 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                   f"{os.cpu_count()} cores. The CPU-time ratio (process CPU seconds of the loop) is less sensitive "
                   "to other jobs on the machine than the wall-clock ratio."]
         L.append("")
+    if real_res:
+        L += real_section(real_res)
     if roof:
         L += ["## Roofline (small workload)", ""]
         mm = roof.get("matmul") or []
@@ -382,9 +502,12 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
             L += [f"Per nat of KL to the reference (held-out gain / held-out KL, mean over seeds): RM score rlhf "
                   f"{eff['rlhf'][0]:.3f} vs TRL {eff['trl'][0]:.3f}; polite rate rlhf {eff['rlhf'][1]:.4f} vs TRL "
                   f"{eff['trl'][1]:.4f}.", ""]
-    if speed_res or learn:
+    analysis = HERE / "results" / "analysis.md"
+    if analysis.exists():
+        L += [analysis.read_text().rstrip(), ""]
+    if speed_res or learn or real_res:
         L += ["## Targets", "", "| target | result | met |", "|---|---|---|"]
-        for row in targets(speed_res, learn):
+        for row in targets(speed_res, learn, real_res):
             L.append(f"| {row[0]} | {row[1]} | {'—' if row[2] is None else 'yes' if row[2] else 'no'} |")
         L.append("")
     L += ["## Reproduce", "", "```", "make bench                      # = .venv/bin/python bench/run.py",
@@ -394,6 +517,96 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
           "bench/.venv-trl112/bin/python bench/trl_side.py --workload-dir bench/work/tiny --variant lora "
           "--updates 8 --response-length 32 --threads 1 [--no-gc] --out t.json", "```", ""]
     return "\n".join(L)
+
+
+def real_section(res: dict) -> list[str]:
+    """The real workload's tables; the prose that explains them is in bench/results/README.md's header notes."""
+    st, meta = res["settings"], res.get("meta", {})
+    sh = st["shape"]
+    loads = [r["loadavg_before"] for r in res["runs"]]
+    L = ["## Real workload: Qwen3-0.6B's shape, LoRA", "",
+         f"Generated {meta.get('date', '?')} by `{meta.get('command', 'bench/run.py --real').strip()}` "
+         f"({meta.get('wall_min', '?')} min) on {res.get('machine', '?')}, 1 torch thread per process. "
+         "Qwen3-0.6B's architecture with random weights (bench/workload.py real: vocabulary rows 151,936, hidden "
+         "1024, 28 layers, 16 heads, 8 kv heads, head_dim 128, intermediate 3072, tied embeddings; 596 M "
+         "parameters per model), weights stored in bf16 as the released checkpoint is; reward and value models of "
+         "the same shape (sequence classification, value initialised from the reward model, trained in full); "
+         "prompts chat-templated with Qwen3's template (system + user turn, empty think block), 30-60 tokens. "
+         f"{sh['updates']} updates × {sh['episodes_per_update']} episodes × {sh['response_length']} response "
+         f"tokens, micro-batch {sh['micro_batch']} × accumulation {sh['episodes_per_update'] // sh['micro_batch']}, "
+         f"rollout batch {sh['episodes_per_update']}, 2 PPO epochs, 1 mini-batch, lr 5e-6, temperature 0.7, no "
+         f"stop token. Runs alternate TRL, rlhf, TRL, rlhf per precision ({st['reps']} pairs), the clean page "
+         "cache dropped before each run; 1-minute load average at the start of the runs "
+         f"{min(loads):.2f}-{max(loads):.2f} on 2 cores (per run in real.json).", "",
+         "| precision | side | what runs in what | episodes/s | response tokens/s | s per update | peak RSS (MB) "
+         "| peak reached in | runs |", "|---|---|---|---|---|---|---|---|---|"]
+    for g in res["groups"].values():
+        for side, x in g["sides"].items():
+            phases = sorted({p.split()[-1] for p in x["rss_peak_phases"] if p})
+            L.append(f"| {g['precision']} | {SIDES[side]} | {x['precision_detail']} | {fmt3(x['eps'], 4)} | "
+                     f"{fmt3(x['tokens_per_s'])} | {fmt3(x['s_per_update'], 1)} | {fmt3(x['peak_rss_mb'], 0)} | "
+                     f"{', '.join(phases) or 'n/a'} | {x['eps']['n']} |")
+    L += ["", "Ratios rlhf / TRL per neighbouring pair (min / **median** / max):", "",
+          "| precision | eps ratio | eps ratio on CPU time | peak RSS ratio | pairs |", "|---|---|---|---|---|"]
+    for g in res["groups"].values():
+        r = g["ratios"].get("trl")
+        if r:
+            L.append(f"| {g['precision']} | {fmt3(r['eps_ratio'])} | {fmt3(r['cpu_eps_ratio'])} | "
+                     f"{fmt3(r['rss_ratio'], 3)} | {r['eps_ratio']['n']} |")
+    extra = [(g, side, x) for g in res["groups"].values() for side, x in g["sides"].items()
+             if side.startswith("rlhf_levers") and "trl" in g["sides"]]
+    if extra:
+        L += ["", "rlhf with bench/levers.py's levers (changes not in rlhf_cli, applied at run time; run after the "
+              "pairs above, so compared with the medians of the TRL and rlhf runs, not in pairs):", "",
+              "| precision | side | levers | episodes/s vs TRL | vs rlhf | peak RSS vs TRL | vs rlhf |",
+              "|---|---|---|---|---|---|---|"]
+        for g, side, x in extra:
+            t, o = g["sides"]["trl"], g["sides"].get("rlhf")
+            lev = ", ".join(LEVERS[f"{side}_real"])
+            L.append(f"| {g['precision']} | {SIDES[side]} | {lev} | {x['eps']['median'] / t['eps']['median']:.2f}× | "
+                     + (f"{x['eps']['median'] / o['eps']['median']:.2f}×" if o else "n/a")
+                     + f" | {x['peak_rss_mb']['median'] / t['peak_rss_mb']['median']:.3f} | "
+                     + (f"{x['peak_rss_mb']['median'] / o['peak_rss_mb']['median']:.3f}" if o else "n/a") + " |")
+    L += split_table(res["groups"], "Time split, median seconds per update (both updates of every run).")
+    fl, mm = res.get("flops"), res.get("matmul") or []
+    if fl:
+        rate = {d: statistics.median([m["gflops"] for m in mm if m["dtype"] == d]) for d in {m["dtype"] for m in mm}}
+        L += ["", f"Matmul work per update (N = {fl['N_block_params'] / 1e6:.0f} M block weights, LM head "
+              f"{fl['lm_head_params'] / 1e6:.1f} M, B = {fl['B']}, R = {fl['R']}, expected padded prompt P = "
+              f"{fl['P_mean']}; formula in `real_flops`): rlhf {fl['rlhf']['update_gflop']:.0f} GFLOP (generation "
+              f"{fl['rlhf']['gen_gflop']:.0f}, scoring {fl['rlhf']['score_gflop']:.0f}, PPO epochs "
+              f"{fl['rlhf']['train_gflop']:.0f}; bf16 adds {fl['rlhf_bf16_extra_gflop']:.0f} for the recomputed "
+              f"old log-probs), TRL {fl['trl']['update_gflop']:.0f} GFLOP (its LM head also runs over the prompt "
+              "positions of the reference and training forwards). Matmul rate of this machine at 1 thread "
+              "(square 1024-2048 matrices, median of the measurements before and after the runs): "
+              + ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in sorted(rate.items())) + ".", "",
+              "| precision | side | s per update | GFLOP/s achieved | share of the matmul rate |", "|---|---|---|---|---|"]
+        for g in res["groups"].values():
+            r = rate.get("float32" if g["precision"] == "fp32" else "bfloat16")
+            for side, x in g["sides"].items():
+                who = "trl" if side.startswith("trl") else "rlhf"
+                work = fl[who]["update_gflop"] + (fl["rlhf_bf16_extra_gflop"] if who == "rlhf" and
+                                                  g["precision"] == "bf16" else 0)
+                t = x["s_per_update"]["median"]
+                L.append(f"| {g['precision']} | {SIDES[side]} | {t:.1f} | {work / t:.1f} | "
+                         f"{work / t / r:.0%} |" if r else f"| {g['precision']} | {SIDES[side]} | {t:.1f} | "
+                         f"{work / t:.1f} | n/a |")
+    L.append("")
+    return L
+
+
+def split_table(groups: dict, intro: str) -> list[str]:
+    L = ["", intro, "", "| workload | variant | precision | side | generate | score | PPO epochs | rest | "
+         "update |", "|---|---|---|---|---|---|---|---|---|"]
+    for g in groups.values():
+        for side, st in g["sides"].items():
+            sp = st.get("split_s_median")
+            if not sp:
+                continue
+            L.append(f"| {g['workload']} | {g['variant']} | {g.get('precision', 'fp32')} | {SIDES[side]} | "
+                     + " | ".join(f"{sp.get(k, float('nan')):.3f}" for k in SPLIT_KEYS)
+                     + f" | {st['s_per_update']['median']:.3f} |")
+    return L
 
 
 def per_kl(learn: dict, side: str) -> tuple[float, float] | None:
@@ -423,28 +636,38 @@ def lora_text(st: dict) -> str:
     return f"LoRA r {lo['r']} / alpha {lo['alpha']} on {lo['target_modules']}" if lo else "LoRA"
 
 
-def targets(speed_res: dict | None, learn: dict | None) -> list[tuple[str, str, bool | None]]:
+def targets(speed_res: dict | None, learn: dict | None, real_res: dict | None = None
+            ) -> list[tuple[str, str, bool | None]]:
+    """The benchmark's targets, each judged on the median of the per-pair ratios (neighbouring runs)."""
     rows = []
-    groups = (speed_res or {}).get("groups", {})
 
     def med(g, vs, what="eps_ratio"):
         r = g["ratios"].get(vs, {}).get(what)
-        return r["median"] if r else None
+        return r["median"] if r and r.get("median") is not None else None
 
-    for key, g in groups.items():
-        if g["workload"] == "tiny":
-            for vs, need in (("trl", 3.0), ("trl_nogc", 1.6)):
-                m = med(g, vs)
-                if m is not None:
-                    rows.append((f"tiny {g['variant']}: rlhf ≥ {need}× {SIDES[vs]} episodes/s", f"{m:.2f}× (median pair)",
-                                 m >= need))
-        if g["workload"] == "small":
+    for g in (speed_res or {}).get("groups", {}).values():
+        name = f"{g['workload']} {g['variant']}"
+        m = med(g, "trl_nogc")
+        if m is not None:
+            rows.append((f"{name}: rlhf ≥ TRL 1.12 gc off, episodes/s", f"{m:.2f}× (median pair)", m >= 1.0))
+        if g["workload"] in BETWEEN and med(g, "trl") is not None:
             m = med(g, "trl")
+            rows.append((f"{name}: rlhf ≥ 1.3× TRL 1.12 (gc on), episodes/s", f"{m:.2f}× (median pair)", m >= 1.3))
+            m = med(g, "rlhf_levers:trl")
             if m is not None:
-                rows.append((f"small {g['variant']}: rlhf ≥ 1.3× TRL episodes/s", f"{m:.2f}× (median pair)", m >= 1.3))
-        if "rlhf" in g["sides"] and "trl" in g["sides"]:
+                rows.append((f"{name}: rlhf + levers vs TRL 1.12 (gc on), beside the target", f"{m:.2f}×", None))
+        r = med(g, "trl", "rss_ratio")
+        if r is not None:
             a, b = g["sides"]["rlhf"]["peak_rss_mb"]["median"], g["sides"]["trl"]["peak_rss_mb"]["median"]
-            rows.append((f"{g['workload']} {g['variant']}: peak RSS ≤ TRL's", f"{a:.0f} vs {b:.0f} MB (medians)", a <= b))
+            rows.append((f"{name}: peak RSS ≤ TRL's", f"{r:.3f} (median pair; {a:.0f} vs {b:.0f} MB medians)",
+                         r <= 1.0))
+    for g in (real_res or {}).get("groups", {}).values():
+        name = f"real {g['variant']} {g['precision']}"
+        m, r = med(g, "trl"), med(g, "trl", "rss_ratio")
+        if m is not None:
+            rows.append((f"{name}: rlhf ≥ 1.3× TRL 1.12 episodes/s", f"{m:.2f}× (median pair)", m >= 1.3))
+        if r is not None:
+            rows.append((f"{name}: peak RSS ≤ 0.8× TRL's", f"{r:.3f} (median pair)", r <= 0.8))
     if learn:
         s = learn["summary"]
         rows.append(("demo: rlhf RM score gain ≥ TRL's at equal episodes (held-out, over SFT)",
@@ -478,15 +701,26 @@ def main(argv=None) -> int:
                     "learning comparison; results go to bench/work/results-quick/")
     ap.add_argument("--reps", type=int, default=None, help="runs per side (default 3; --quick: 1)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--workloads", nargs="+", default=["tiny", "small"], choices=sorted(FULL))
+    ap.add_argument("--workloads", nargs="+", default=["tiny", "mini", "mid", "small"], choices=list(FULL))
     ap.add_argument("--variants", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument("--only", nargs="+", choices=["speed", "roofline", "learning"], default=None)
-    ap.add_argument("--nogc-everywhere", action="store_true", help="also run TRL --no-gc on the small workload")
+    ap.add_argument("--levers", action="store_true", help="also run rlhf with bench/levers.py's levers on the "
+                    "sizes between tiny and small")
+    ap.add_argument("--real", action="store_true", help="the real workload (Qwen3-0.6B's shape, LoRA) instead of "
+                    "the quick ones; results in real.json")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                    help="--real: precisions to run (default both)")
+    ap.add_argument("--sides", nargs="+", default=["trl", "rlhf"], choices=["trl", "rlhf", "rlhf_levers",
+                    "rlhf_levers_mem"], help="--real: the sides, in the order they alternate")
+    ap.add_argument("--rep-start", type=int, default=1, help="number of the first repetition (with --merge: add "
+                    "repetitions to earlier ones)")
+    ap.add_argument("--merge", action="store_true", help="keep the runs already in speed.json / real.json whose "
+                    "workload, variant, precision and side this invocation does not run")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="learning comparison seeds")
     ap.add_argument("--results-dir", default=None, help="default bench/results (--quick: bench/work/results-quick)")
     ap.add_argument("--report-only", action="store_true", help="rewrite README.md from the JSON files present")
     a = ap.parse_args(argv)
-    a.reps = a.reps or (1 if a.quick else 3)
+    a.reps = a.reps or (1 if a.quick else 2 if a.real else 3)
     parts = set(a.only or (["speed", "roofline"] if a.quick else ["speed", "roofline", "learning"]))
     work = HERE / "work"
     results = Path(a.results_dir) if a.results_dir else (work / "results-quick" if a.quick else HERE / "results")
@@ -501,7 +735,26 @@ def main(argv=None) -> int:
         p = results / name
         return json.loads(p.read_text()) if p.exists() else None
 
-    if not a.report_only:
+    def merged(name, runs):
+        old = load(name) if a.merge else None
+        if not old:
+            return runs
+        fresh = {(*group_key(r), r["side_key"], r["rep"]) for r in runs}
+        return [r for r in old["runs"] if (*group_key(r), r["side_key"], r["rep"]) not in fresh] + runs
+
+    if a.real and not a.report_only:
+        setup(work, ["real"], logfile, need_trl=True)
+        meta["page_cache"] = settle_page_cache()
+        log(f"page cache before the timed runs: {meta['page_cache']}")
+        runs, extra = real(a, work, logfile)
+        runs = merged("real.json", runs)
+        meta["wall_min"] = round((time.perf_counter() - t_start) / 60, 1)
+        real_res = {**extra, "settings": {"reps": a.reps, "threads": a.threads, "shape": QUICK_REAL if a.quick else REAL,
+                                 "quick": a.quick, "precisions": a.precisions},
+                    "machine": meta["machine"], "meta": meta, "groups": summarise_speed(runs), "runs": runs}
+        (results / "real.json").write_text(json.dumps(real_res, indent=2) + "\n")
+        parts = set()
+    if not a.report_only and parts:
         if "roofline" in parts and "small" not in a.workloads:
             parts.discard("roofline")
         setup(work, a.workloads, logfile, need_trl=True)
@@ -513,7 +766,7 @@ def main(argv=None) -> int:
             mm.append(matmul_rate(a.threads))
             log(f"fp32 matmul: {mm[-1]['gflops']} GFLOP/s at {a.threads} thread(s)")
         if "speed" in parts or "roofline" in parts:
-            runs = speed(a, work, shapes, logfile)
+            runs = merged("speed.json", speed(a, work, shapes, logfile))
             speed_res = {"settings": {"reps": a.reps, "threads": a.threads, "shapes": shapes, "quick": a.quick,
                                       "episodes_per_update": EPISODES_PER_UPDATE},
                          "machine": meta["machine"], "groups": summarise_speed(runs), "runs": runs}
@@ -531,7 +784,7 @@ def main(argv=None) -> int:
             if r.returncode != 0:
                 raise SystemExit("learning comparison failed; see bench/work/demo/learning.log")
     speed_res = load("speed.json")
-    if a.report_only or "speed" not in parts:
+    if a.report_only or "speed" not in parts or a.real:
         # the header describes the speed runs; the learning section states its own settings
         meta = (speed_res or {}).get("meta", meta)
     else:
@@ -539,7 +792,13 @@ def main(argv=None) -> int:
         if speed_res is not None and "speed" in parts:
             speed_res["meta"] = meta
             (results / "speed.json").write_text(json.dumps(speed_res, indent=2) + "\n")
-    md = markdown(speed_res, load("roofline.json"), load("learning.json"), meta)
+    real_res = load("real.json")
+    wl_meta = work / "real" / "workload.json"
+    if real_res and not real_res.get("flops") and wl_meta.exists():
+        sh = real_res["settings"]["shape"]
+        real_res["flops"] = real_flops(json.loads(wl_meta.read_text()), mean_padded_prompt(
+            work / "real", batch=sh["episodes_per_update"]), sh["response_length"], sh["episodes_per_update"])
+    md = markdown(speed_res, load("roofline.json"), load("learning.json"), meta, real_res)
     (results / "README.md").write_text(md)
     log(f"wrote {results / 'README.md'}")
     print(md)

@@ -8,7 +8,15 @@ Run inside the dedicated environment (see bench/setup_trl_env.sh):
 Fixed settings (the comparison contract): 32 episodes per update (per-device batch 8 x gradient
 accumulation 4), one rollout forward batch of 32, 2 PPO epochs, 1 mini-batch, lr 5e-6, temperature 0.7,
 no stop token (every response is exactly --response-length tokens), no EOS penalty, value model
-initialised from the reward model, CPU fp32, no saving, logging, sample generations or evaluation.
+initialised from the reward model, CPU, no saving, logging, sample generations or evaluation.
+--episodes-per-update E --micro-batch M change the batch to E episodes per update (micro-batch M x accumulation
+E/M, rollout forward batch E).
+
+--precision fp32 (default): models loaded in fp32, bf16=False.
+--precision bf16: TRL's own bf16 option, PPOConfig(bf16=True): the models stay fp32 and accelerate wraps the
+prepared policy-and-value module's forward in bf16 autocast. TRL 1.12 samples with `unwrapped_model.policy` and
+scores with `model.policy` (reference), the unwrapped value model and the reward model, none of which goes through
+that forward: generation and scoring stay fp32, the PPO epochs' forward and backward run in bf16 autocast.
 
 variant lora: LoRA r 8 / alpha 16 on all linear layers of the policy; the reference is the policy with the
               adapter disabled (ref_model=None).
@@ -22,6 +30,9 @@ cache flushes, which do nothing on CPU). Python's automatic generational collect
 Timing covers trainer.train() only. Per-update times are taken from the moment each update asks the
 dataloader for its batch (the first thing an update does) to the next such moment, the last one ending
 when train() returns; they add up to train_s minus the short set-up before the first update.
+The split of each update: generate_s = trl's batch_generation(); score_s = from there to the first forward with
+gradients (reference log-probs, values, reward scores, advantages); train_s = the PPO epochs, from that forward to
+the metrics; other_s = the rest (metrics, logging, the forced gc.collect() calls).
 """
 
 from __future__ import annotations
@@ -37,7 +48,6 @@ from pathlib import Path
 
 EPISODES_PER_UPDATE = 32
 PER_DEVICE_BATCH = 8
-GRAD_ACCUM = 4
 
 
 def parse_args(argv=None):
@@ -47,16 +57,32 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=8)
     p.add_argument("--response-length", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--episodes-per-update", type=int, default=EPISODES_PER_UPDATE)
+    p.add_argument("--micro-batch", type=int, default=PER_DEVICE_BATCH)
     p.add_argument("--no-gc", action="store_true", help="disable the forced gc.collect()/empty_cache() calls in trl's PPO loop")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, help="also write a cProfile of trainer.train() here")
     p.add_argument("--out", required=True, help="where to write the JSON result")
     return p.parse_args(argv)
+
+
+def memory_status() -> dict:
+    """VmHWM (peak RSS), RssAnon and RssFile of this process now, in MB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            out[key] = round(int(line.split()[1]) / 1024.0, 1)
+    return out
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.updates < 1 or a.response_length < 1 or a.threads < 1:
         raise SystemExit("--updates, --response-length and --threads must be >= 1")
+    if a.micro_batch < 1 or a.episodes_per_update % a.micro_batch:
+        raise SystemExit("--micro-batch must divide --episodes-per-update")
 
     # Thread pools are sized when torch first loads; set the environment before importing it.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -65,6 +91,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if a.precision == "bf16":
+        # PPOTrainer builds its own Accelerator(gradient_accumulation_steps=...) and never passes bf16 on; with
+        # transformers 4 TrainingArguments(bf16=True) exported this variable, which is what the Accelerator reads.
+        # Under transformers 5 it is no longer exported, so bf16=True alone leaves mixed_precision at "no".
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
 
     import torch
 
@@ -98,6 +129,7 @@ def main(argv=None) -> int:
 
     # ---- gc handling inside trl's PPO module --------------------------------------------------
     gc_stats = {"calls": 0, "seconds": 0.0}
+    gc_calls: list[tuple[float, float]] = []  # (start, seconds) of each forced collection
     real_gc = ppo_mod.gc
     if a.no_gc:
         ppo_mod.gc = types.SimpleNamespace(collect=lambda *args, **kw: 0)
@@ -106,19 +138,43 @@ def main(argv=None) -> int:
         def timed_collect(*args, **kw):
             t = time.perf_counter()
             n = real_gc.collect(*args, **kw)
-            gc_stats["seconds"] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            gc_stats["seconds"] += dt
             gc_stats["calls"] += 1
+            gc_calls.append((t, dt))
             return n
 
         ppo_mod.gc = types.SimpleNamespace(collect=timed_collect)
 
+    # ---- time split: generation (batch_generation), scoring (until the first forward with gradients), epochs
+    marks: list[tuple[str, float]] = []
+    real_batch_generation, real_forward = ppo_mod.batch_generation, ppo_mod.forward
+
+    def timed_batch_generation(*args, **kw):
+        marks.append(("gen_start", time.perf_counter()))
+        out = real_batch_generation(*args, **kw)
+        marks.append(("gen_end", time.perf_counter()))
+        return out
+
+    def marked_forward(*args, **kw):
+        if torch.is_grad_enabled() and (not marks or marks[-1][0] != "train_start"):
+            marks.append(("train_start", time.perf_counter()))
+        return real_forward(*args, **kw)
+
+    ppo_mod.batch_generation, ppo_mod.forward = timed_batch_generation, marked_forward
+
     # ---- data ---------------------------------------------------------------------------------
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from memtrace import RssSampler
+
+    sampler = RssSampler()
+    sampler.start()
     t_load0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(wdir / "tokenizer"))
     prompts = [json.loads(line)["prompt"] for line in (wdir / "prompts.jsonl").read_text().splitlines() if line.strip()]
     ids = tok(prompts, add_special_tokens=False)["input_ids"]
     train_ds = Dataset.from_dict({"input_ids": ids})
-    eval_ds = Dataset.from_dict({"input_ids": ids[:PER_DEVICE_BATCH]})
+    eval_ds = Dataset.from_dict({"input_ids": ids[:a.micro_batch]})
 
     # ---- models -------------------------------------------------------------------------------
     policy = AutoModelForCausalLM.from_pretrained(str(wdir / "policy"), dtype=torch.float32)
@@ -138,7 +194,7 @@ def main(argv=None) -> int:
     cfg = PPOConfig(
         output_dir=outdir,
         use_cpu=True,
-        bf16=False,
+        bf16=a.precision == "bf16",
         fp16=False,
         activation_checkpointing=False,  # never enabled by PPOTrainer.train(); explicit for clarity
         report_to="none",
@@ -147,10 +203,10 @@ def main(argv=None) -> int:
         logging_steps=1,
         disable_tqdm=True,
         seed=a.seed,
-        per_device_train_batch_size=PER_DEVICE_BATCH,
-        per_device_eval_batch_size=PER_DEVICE_BATCH,
-        gradient_accumulation_steps=GRAD_ACCUM,
-        local_rollout_forward_batch_size=EPISODES_PER_UPDATE,
+        per_device_train_batch_size=a.micro_batch,
+        per_device_eval_batch_size=a.micro_batch,
+        gradient_accumulation_steps=a.episodes_per_update // a.micro_batch,
+        local_rollout_forward_batch_size=a.episodes_per_update,
         num_ppo_epochs=2,
         num_mini_batches=1,
         learning_rate=5e-6,
@@ -159,7 +215,7 @@ def main(argv=None) -> int:
         stop_token=None,
         stop_token_id=None,
         missing_eos_penalty=None,
-        total_episodes=a.updates * EPISODES_PER_UPDATE,
+        total_episodes=a.updates * a.episodes_per_update,
         num_sample_generations=0,
         dataloader_num_workers=0,
     )
@@ -207,12 +263,22 @@ def main(argv=None) -> int:
 
     trainer.dataloader = StampedLoader(trainer.dataloader)
 
+    profiler = None
+    if a.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
     c0 = time.process_time()
     t0 = time.perf_counter()
-    trainer.train()
+    if profiler is not None:
+        profiler.runcall(trainer.train)
+        profiler.dump_stats(a.profile)
+    else:
+        trainer.train()
     t1 = time.perf_counter()
     cpu_s = time.process_time() - c0
     train_s = t1 - t0
+    sampler.stop()
 
     stamps = batch_times[: a.updates] + [t1]
     s_per_update = [round(stamps[i + 1] - stamps[i], 4) for i in range(len(stamps) - 1)]
@@ -220,7 +286,36 @@ def main(argv=None) -> int:
         s_per_update = [round(train_s / a.updates, 4)] * a.updates
 
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-    episodes = a.updates * EPISODES_PER_UPDATE
+    mem = memory_status()
+    episodes = a.updates * a.episodes_per_update
+    split = {"generate_s": [], "score_s": [], "train_s": [], "other_s": []}
+
+    def gc_between(t0, t1):
+        return sum(dt for t, dt in gc_calls if t0 <= t < t1)
+
+    for i in range(len(stamps) - 1):
+        inside = {k: t for k, t in marks if stamps[i] <= t < stamps[i + 1]}
+        if len(inside) != 3:
+            split = None  # train() changed shape: no split
+            break
+        gc_score = gc_between(inside["gen_end"], inside["train_start"])
+        gc_rest = gc_between(inside["train_start"], stamps[i + 1])
+        split["generate_s"].append(round(inside["gen_end"] - inside["gen_start"], 4))
+        split["score_s"].append(round(inside["train_start"] - inside["gen_end"] - gc_score, 4))
+        # the epochs run from the first forward with gradients to the metrics; the metrics themselves (a few ms)
+        # are not separated from them without patching train()
+        split["train_s"].append(round(stamps[i + 1] - inside["train_start"] - gc_rest, 4))
+        split["other_s"].append(round(s_per_update[i] - split["generate_s"][-1] - split["score_s"][-1]
+                                      - split["train_s"][-1], 4))
+    mixed = str(getattr(trainer.accelerator, "mixed_precision", "no"))
+    phases = [("load", t_load0, stamps[0])]
+    for i in range(len(stamps) - 1):
+        inside = {k: t for k, t in marks if stamps[i] <= t < stamps[i + 1]}
+        if len(inside) == 3:
+            phases += [(f"update {i + 1} other", stamps[i], inside["gen_start"]),
+                       (f"update {i + 1} generate", inside["gen_start"], inside["gen_end"]),
+                       (f"update {i + 1} score", inside["gen_end"], inside["train_start"]),
+                       (f"update {i + 1} train", inside["train_start"], stamps[i + 1])]
     scores = [l["objective/scores"] for l in logs]
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
 
@@ -234,11 +329,25 @@ def main(argv=None) -> int:
         "workload_dir": str(wdir),
         "updates": a.updates,
         "episodes": episodes,
+        "episodes_per_update": a.episodes_per_update,
+        "micro_batch": a.micro_batch,
+        "precision": a.precision,
+        "precision_detail": ("fp32 weights and compute" if a.precision == "fp32" else
+                             f"PPOConfig(bf16=True): fp32 weights, accelerate mixed_precision={mixed} (autocast on "
+                             "the PPO epochs' policy-and-value forward; generation and scoring fp32)"),
+        "accelerate_mixed_precision": mixed,
         "response_length": a.response_length,
+        "response_tokens": episodes * a.response_length,
         "train_s": round(train_s, 4),
         "eps": round(episodes / train_s, 3),
+        "tokens_per_s": round(episodes * a.response_length / train_s, 2),
         "s_per_update": s_per_update,
+        "split_s": split,
         "peak_rss_mb": round(peak_rss_mb, 1),
+        "rss_anon_end_mb": mem.get("RssAnon"),
+        "rss_file_end_mb": mem.get("RssFile"),
+        "rss_peak_phase": sampler.peak_phase(phases),
+        "rss_phase_peaks_mb": sampler.phase_peaks([(n.split()[-1], a, b) for n, a, b in phases]),
         "cpu_s": round(cpu_s, 4),  # process CPU time over train(): less sensitive than train_s to a busy machine
         "threads": a.threads,
         "gc_disabled": bool(a.no_gc),

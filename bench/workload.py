@@ -4,6 +4,15 @@ Runs in either virtual environment: it needs only torch, transformers and tokeni
 
     python bench/workload.py tiny bench/work/tiny
     python bench/workload.py small bench/work/small
+    python bench/workload.py real bench/work/real     # Qwen3-0.6B's exact shape, random weights (~2.5 GB)
+
+Sizes: tiny (hidden 64, 2 layers), mini (128, 4), mid (256, 4), small (512, 6) share one 1,500-token tokenizer
+and 8-24-token plain-text prompts. `real` is Qwen3-0.6B's architecture (vocabulary rows 151,936, hidden 1024,
+28 layers, 16 heads, 8 kv heads, head_dim 128, intermediate 3072, tied embeddings) with a tokenizer laid out
+like Qwen3's (151,669 ids: a BPE trained here, filler tokens up to id 151,642, then Qwen3's 26 special tokens at
+their ids, so eos <|im_end|> = 151645 and pad <|endoftext|> = 151643) and chat-templated prompts of 30-60
+tokens (Qwen3's ChatML with a system turn and the empty think block of enable_thinking=false). Its weights are
+stored in bf16, as the released checkpoint is.
 
 Layout written into OUT_DIR:
 
@@ -44,6 +53,22 @@ SHAPES = {
         head_dim=16,
         intermediate_size=128,
     ),
+    "mini": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+    ),
+    "mid": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+    ),
     "small": dict(
         hidden_size=512,
         num_hidden_layers=6,
@@ -53,6 +78,29 @@ SHAPES = {
         intermediate_size=1536,
     ),
 }
+
+# Qwen3-0.6B (config.json of the released model); `real` builds this shape with random weights.
+REAL_SHAPE = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+)
+REAL_ROWS = 151936            # embedding / LM-head rows
+REAL_FIRST_SPECIAL = 151643   # Qwen3's tokenizer: regular ids below, its 26 special tokens from here
+REAL_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+]
+REAL_PROMPT_TOKENS = (30, 60)
+REAL_TRAINED_VOCAB = 4000     # BPE merges learnt from the corpus (it runs out of pairs near here)
+REAL_SYSTEM = "You are a helpful assistant."
+ALL_NAMES = sorted([*SHAPES, "real"])
 
 # ---------------------------------------------------------------------------------------------
 # Deterministic text generation
@@ -269,10 +317,117 @@ def build_prompts(tok, out: Path) -> int:
     return len(rows)
 
 
+# ---------------------------------------------------------------------------------------------
+# real: Qwen3-0.6B's shape and tokenizer layout
+# ---------------------------------------------------------------------------------------------
+
+
+def _filler(i: int) -> str:
+    """The i-th filler token: a space and lower-case letters (byte-level BPE spells the space "Ġ"), so it decodes
+    to ordinary text; no merge produces it, so encoding never emits it."""
+    letters = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        letters = chr(97 + r) + letters
+    return "Ġzq" + letters
+
+
+def build_real_tokenizer(out: Path):
+    """A tokenizer with Qwen3's id layout: BPE trained on the corpus, fillers up to id 151642, then the 26 special
+    tokens at Qwen3's ids (151643-151668): 151,669 tokens for 151,936 embedding rows, as in the released model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=REAL_TRAINED_VOCAB, min_frequency=1, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # the chat template's words and blank lines as Qwen3's tokenizer has them: one token each
+    tok.train_from_iterator(_corpus() + [REAL_SYSTEM, "system", "user", "assistant", "\n\n"] * 50, trainer=trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    i = 0
+    while len(vocab) < REAL_FIRST_SPECIAL:
+        f = _filler(i)
+        i += 1
+        if f not in vocab:
+            vocab[f] = len(vocab)
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.add_special_tokens(REAL_SPECIALS)
+    if tok.token_to_id("<|endoftext|>") != REAL_FIRST_SPECIAL or tok.get_vocab_size() != REAL_FIRST_SPECIAL + 26:
+        raise RuntimeError("real tokenizer: special tokens are not at Qwen3's ids")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   padding_side="left", model_max_length=40960)
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def _real_config(tok, num_labels: int | None = None):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=REAL_ROWS, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, bos_token_id=REAL_FIRST_SPECIAL, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, **REAL_SHAPE)
+    if num_labels is not None:
+        cfg.num_labels = num_labels
+    return cfg
+
+
+def build_real_model(tok, out: Path, seq_cls: bool) -> int:
+    """Random-init policy (seed 0) or reward model (seed 1) of Qwen3-0.6B's shape, saved in bf16."""
+    import torch
+    from transformers import Qwen3ForCausalLM, Qwen3ForSequenceClassification
+
+    torch.manual_seed(1 if seq_cls else 0)
+    if seq_cls:
+        model = Qwen3ForSequenceClassification(_real_config(tok, num_labels=1))
+    else:
+        model = Qwen3ForCausalLM(_real_config(tok))
+        _set_generation_ids(model, tok)
+        model.generation_config.bos_token_id = REAL_FIRST_SPECIAL
+    n = sum(p.numel() for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    return n
+
+
+def real_prompt(question: str) -> str:
+    """Qwen3's chat template for one user turn after a system turn, generation prompt with enable_thinking=false."""
+    return (f"<|im_start|>system\n{REAL_SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def build_real_prompts(tok, out: Path) -> int:
+    """Chat-templated prompts of 30-60 tokens: one or two questions in the user turn."""
+    rng = _rng(77)
+    pool = _prompt_candidates(seed=4343, n=6000)
+    seen, rows = set(), []
+    lo, hi = REAL_PROMPT_TOKENS
+    for q in pool:
+        question = q if rng.random() < 0.5 else f"{q} {rng.choice(pool)}"
+        if question in seen:
+            continue
+        seen.add(question)
+        text = real_prompt(question)
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        if lo <= n <= hi:
+            rows.append({"prompt": text, "n_tokens": n})
+        if len(rows) >= N_PROMPTS:
+            break
+    if len(rows) < 512:
+        raise RuntimeError(f"only {len(rows)} chat prompts within {lo}-{hi} tokens")
+    with open(out, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)
+
+
 def build(name: str, out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Build workload `name` ("tiny" or "small") into out_dir; a complete directory is left as it is."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown workload {name!r}; choose from {sorted(SHAPES)}")
+    """Build workload `name` (see ALL_NAMES) into out_dir; a complete directory is left as it is."""
+    if name not in ALL_NAMES:
+        raise ValueError(f"unknown workload {name!r}; choose from {ALL_NAMES}")
     out = Path(out_dir)
     done = out / ".done"
     if done.exists() and not force:
@@ -286,18 +441,27 @@ def build(name: str, out_dir: str | os.PathLike, force: bool = False) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True)
 
-    tok = build_tokenizer(out / "tokenizer")
-    n_policy = build_policy(name, tok, out / "policy")
-    n_reward = build_reward(name, tok, out / "reward")
-    n_prompts = build_prompts(tok, out / "prompts.jsonl")
+    if name == "real":
+        tok = build_real_tokenizer(out / "tokenizer")
+        n_policy = build_real_model(tok, out / "policy", seq_cls=False)
+        n_reward = build_real_model(tok, out / "reward", seq_cls=True)
+        n_prompts = build_real_prompts(tok, out / "prompts.jsonl")
+    else:
+        tok = build_tokenizer(out / "tokenizer")
+        n_policy = build_policy(name, tok, out / "policy")
+        n_reward = build_reward(name, tok, out / "reward")
+        n_prompts = build_prompts(tok, out / "prompts.jsonl")
+    real = name == "real"
     meta = {
         "name": name,
         "format_version": FORMAT_VERSION,
-        "shape": SHAPES[name],
+        "shape": REAL_SHAPE if real else SHAPES[name],
         "tie_word_embeddings": True,
-        "vocab_size": len(tok),
+        "vocab_size": len(tok),  # the tokenizer's ids
+        "embedding_rows": REAL_ROWS if real else len(tok),
+        "weights_dtype": "bfloat16" if real else "float32",
         "special_tokens": {
-            "bos": [tok.bos_token, tok.bos_token_id],
+            "bos": [tok.bos_token, tok.bos_token_id],  # None for real (Qwen3 has no bos token)
             "eos": [tok.eos_token, tok.eos_token_id],
             "pad": [tok.pad_token, tok.pad_token_id],
             "im_start": ["<|im_start|>", tok.convert_tokens_to_ids("<|im_start|>")],
@@ -308,7 +472,8 @@ def build(name: str, out_dir: str | os.PathLike, force: bool = False) -> Path:
         "policy_seed": 0,
         "reward_seed": 1,
         "n_prompts": n_prompts,
-        "prompt_tokens": [PROMPT_MIN_TOKENS, PROMPT_MAX_TOKENS],
+        "prompt_tokens": list(REAL_PROMPT_TOKENS) if real else [PROMPT_MIN_TOKENS, PROMPT_MAX_TOKENS],
+        "prompt_format": "Qwen3 chat template (system + user, empty think block)" if real else "plain text",
         "layout": {
             "tokenizer": "tokenizer/",
             "policy": "policy/",
@@ -323,7 +488,7 @@ def build(name: str, out_dir: str | os.PathLike, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Build a PPO benchmark workload (tokenizer, policy, reward, prompts).")
-    p.add_argument("name", choices=sorted(SHAPES))
+    p.add_argument("name", choices=ALL_NAMES)
     p.add_argument("out_dir")
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
     a = p.parse_args(argv)
