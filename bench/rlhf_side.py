@@ -266,7 +266,9 @@ def main(argv=None) -> int:
     captured: dict = {}
 
     def on_train_start(trainer):
-        captured["trainable"] = sum(q.numel() for q in trainer.pol_params + trainer.val_params)
+        emb = trainer.sparse_emb  # a value embedding stepped by rows still trains all of its rows
+        captured["trainable"] = sum(q.numel() for q in trainer.pol_params + trainer.val_params) + \
+            (emb.weight.numel() if emb else 0)
 
     def on_update_start(update):
         stamps.append(time.perf_counter())

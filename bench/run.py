@@ -13,7 +13,6 @@ What it does, in order:
   3. speed: for each workload and variant (lora, full), repetitions of TRL, TRL without its forced
      gc.collect() calls (--no-gc), and rlhf, alternating (A B C A B C ...), each run in its own process with
      the same torch thread count. Settings are fixed by bench/trl_side.py and bench/rlhf_side.py.
-     --levers adds rlhf with the speed levers of bench/levers.py (changes not in rlhf_cli, applied at run time).
      --real instead runs the real workload (LoRA; fp32, then bf16; TRL and rlhf alternating) into real.json.
   4. roofline: the fp32 matmul rate of this machine at that thread count (torch.matmul on square matrices),
      and the achieved GFLOP/s of a PPO update on the small workload for both sides.
@@ -50,14 +49,7 @@ QUICK = {"tiny": {"updates": 2, "response_length": 32}, "mini": {"updates": 2, "
 REAL = {"updates": 2, "response_length": 32, "episodes_per_update": 8, "micro_batch": 2}
 QUICK_REAL = {"updates": 1, "response_length": 4, "episodes_per_update": 2, "micro_batch": 1}
 BETWEEN = ("mini", "mid")  # the sizes between tiny and small
-SIDES = {"trl": "TRL 1.12", "trl_nogc": "TRL 1.12, gc off", "rlhf": "rlhf",
-         "rlhf_levers": "rlhf + levers (not in rlhf_cli)",
-         "rlhf_levers_mem": "rlhf + levers + frozen value embedding (not in rlhf_cli)"}
-# bench/levers.py levers per side; the real workload's sampling is long enough to price the LoRA merge
-LEVERS = {"rlhf_levers": ["fused_adam", "sorted_micro"],
-          "rlhf_levers_real": ["fused_adam", "sorted_micro", "no_merge", "contiguous_prefill_head"],
-          "rlhf_levers_mem_real": ["fused_adam", "sorted_micro", "no_merge", "contiguous_prefill_head",
-                                   "frozen_value_embedding"]}
+SIDES = {"trl": "TRL 1.12", "trl_nogc": "TRL 1.12, gc off", "rlhf": "rlhf"}
 
 
 def log(msg: str) -> None:
@@ -118,9 +110,6 @@ def one_run(side: str, wl: str, variant: str, shape: dict, threads: int, raw: Pa
         common += ["--episodes-per-update", shape["episodes_per_update"], "--micro-batch", shape["micro_batch"]]
     if side == "rlhf":
         cmd = [RLHF_PY, HERE / "rlhf_side.py", *common]
-    elif side.startswith("rlhf_levers"):
-        levers = LEVERS.get(f"{side}_real" if wl == "real" else side) or LEVERS[f"{side}_real"]
-        cmd = [RLHF_PY, HERE / "levers.py", "--lever", *levers, "--", *common]
     else:
         cmd = [TRL_PY, HERE / "trl_side.py", *common, *(["--no-gc"] if side == "trl_nogc" else [])]
     load0 = os.getloadavg()[0]
@@ -182,25 +171,22 @@ def summarise_speed(runs: list[dict]) -> dict:
                 "loadavg": stats([r["loadavg_before"] for r in rs]),
             }
         pairs = []
-        for me, side in [(m, t) for m in ("rlhf", "rlhf_levers", "rlhf_levers_mem") for t in ("trl", "trl_nogc")]:
-            ours = {r["rep"]: r for r in group if r["side_key"] == me}
+        for side in ("trl", "trl_nogc"):
+            ours = {r["rep"]: r for r in group if r["side_key"] == "rlhf"}
             theirs = {r["rep"]: r for r in group if r["side_key"] == side}
             for rep in sorted(set(ours) & set(theirs)):
                 a, b = ours[rep], theirs[rep]
-                pairs.append({"rep": rep, "me": me, "vs": side, "eps_ratio": round(a["eps"] / b["eps"], 3),
+                pairs.append({"rep": rep, "vs": side, "eps_ratio": round(a["eps"] / b["eps"], 3),
                               "rss_ratio": round(a["peak_rss_mb"] / b["peak_rss_mb"], 3),
                               "cpu_eps_ratio": round(b["cpu_s"] / a["cpu_s"], 3)
                               if a.get("cpu_s") and b.get("cpu_s") else None})
         ratios = {}
-        for me in ("rlhf", "rlhf_levers", "rlhf_levers_mem"):
-            for side in ("trl", "trl_nogc"):
-                ps = [p for p in pairs if p["me"] == me and p["vs"] == side]
-                if ps:
-                    name = side if me == "rlhf" else f"{me}:{side}"
-                    ratios[name] = {"eps_ratio": stats([p["eps_ratio"] for p in ps]),
-                                    "rss_ratio": stats([p["rss_ratio"] for p in ps]),
-                                    "cpu_eps_ratio": stats([p["cpu_eps_ratio"] for p in ps]),
-                                    "me": me, "vs": side}
+        for side in ("trl", "trl_nogc"):
+            ps = [p for p in pairs if p["vs"] == side]
+            if ps:
+                ratios[side] = {"eps_ratio": stats([p["eps_ratio"] for p in ps]),
+                                "rss_ratio": stats([p["rss_ratio"] for p in ps]),
+                                "cpu_eps_ratio": stats([p["cpu_eps_ratio"] for p in ps]), "vs": side}
         name = f"{key[0]}/{key[1]}" + ("" if key[2] == "fp32" else f"/{key[2]}")
         out[name] = {"workload": key[0], "variant": key[1], "precision": key[2], "sides": sides, "pairs": pairs,
                      "ratios": ratios}
@@ -214,8 +200,6 @@ def speed(args, work: Path, shapes: dict, logfile: Path) -> list[dict]:
     for wl in args.workloads:
         for variant in args.variants:
             sides = ["trl", "trl_nogc", "rlhf"]
-            if args.levers and wl in BETWEEN:
-                sides.append("rlhf_levers")
             for rep in range(args.rep_start, args.rep_start + args.reps):
                 for side in sides:
                     r = one_run(side, wl, variant, shapes[wl], args.threads, raw, rep, logfile)
@@ -384,9 +368,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               + ", ".join(f"{w}: {sh['updates']} updates × {sh['response_length']} tokens"
                           for w, sh in runs_meta.get("shapes", FULL).items()) + ". Shapes (hidden / layers / heads "
               "/ kv heads / head_dim / intermediate, vocabulary 1,500): tiny 64/2/4/2/16/128, mini 128/4/4/2/32/384, "
-              "mid 256/4/4/2/64/768, small 512/6/8/4/64/1536. "
-              "'rlhf + levers' is rlhf with bench/levers.py's changes applied at run time (fused AdamW, "
-              "micro-batches grouped by prompt length); they are not in rlhf_cli.", "",
+              "mid 256/4/4/2/64/768, small 512/6/8/4/64/1536.", "",
               "| workload | variant | side | episodes/s | s per update | peak RSS (MB) | runs |",
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
@@ -399,8 +381,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
             for side, r in g["ratios"].items():
-                who = "" if r.get("me", "rlhf") == "rlhf" else " (rlhf + levers)"
-                L.append(f"| {g['workload']} | {g['variant']} | {SIDES[r.get('vs', side)]}{who} | "
+                L.append(f"| {g['workload']} | {g['variant']} | {SIDES[r.get('vs', side)]} | "
                          f"{fmt3(r['eps_ratio'])} | {fmt3(r['cpu_eps_ratio'])} | {fmt3(r['rss_ratio'], 3)} | "
                          f"{r['eps_ratio']['n']} |")
         L += split_table(speed_res["groups"], "Time split, median seconds per update (every update of every run): "
@@ -553,20 +534,6 @@ def real_section(res: dict) -> list[str]:
         if r:
             L.append(f"| {g['precision']} | {fmt3(r['eps_ratio'])} | {fmt3(r['cpu_eps_ratio'])} | "
                      f"{fmt3(r['rss_ratio'], 3)} | {r['eps_ratio']['n']} |")
-    extra = [(g, side, x) for g in res["groups"].values() for side, x in g["sides"].items()
-             if side.startswith("rlhf_levers") and "trl" in g["sides"]]
-    if extra:
-        L += ["", "rlhf with bench/levers.py's levers (changes not in rlhf_cli, applied at run time; run after the "
-              "pairs above, so compared with the medians of the TRL and rlhf runs, not in pairs):", "",
-              "| precision | side | levers | episodes/s vs TRL | vs rlhf | peak RSS vs TRL | vs rlhf |",
-              "|---|---|---|---|---|---|---|"]
-        for g, side, x in extra:
-            t, o = g["sides"]["trl"], g["sides"].get("rlhf")
-            lev = ", ".join(LEVERS[f"{side}_real"])
-            L.append(f"| {g['precision']} | {SIDES[side]} | {lev} | {x['eps']['median'] / t['eps']['median']:.2f}× | "
-                     + (f"{x['eps']['median'] / o['eps']['median']:.2f}×" if o else "n/a")
-                     + f" | {x['peak_rss_mb']['median'] / t['peak_rss_mb']['median']:.3f} | "
-                     + (f"{x['peak_rss_mb']['median'] / o['peak_rss_mb']['median']:.3f}" if o else "n/a") + " |")
     L += split_table(res["groups"], "Time split, median seconds per update (both updates of every run).")
     fl, mm = res.get("flops"), res.get("matmul") or []
     if fl:
@@ -579,7 +546,8 @@ def real_section(res: dict) -> list[str]:
               f"old log-probs), TRL {fl['trl']['update_gflop']:.0f} GFLOP (its LM head also runs over the prompt "
               "positions of the reference and training forwards). Matmul rate of this machine at 1 thread "
               "(square 1024-2048 matrices, median of the measurements before and after the runs): "
-              + ", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in sorted(rate.items())) + ".", "",
+              + (", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in sorted(rate.items())) or "not in this real.json")
+              + ".", "",
               "| precision | side | s per update | GFLOP/s achieved | share of the matmul rate |", "|---|---|---|---|---|"]
         for g in res["groups"].values():
             r = rate.get("float32" if g["precision"] == "fp32" else "bfloat16")
@@ -653,9 +621,6 @@ def targets(speed_res: dict | None, learn: dict | None, real_res: dict | None = 
         if g["workload"] in BETWEEN and med(g, "trl") is not None:
             m = med(g, "trl")
             rows.append((f"{name}: rlhf ≥ 1.3× TRL 1.12 (gc on), episodes/s", f"{m:.2f}× (median pair)", m >= 1.3))
-            m = med(g, "rlhf_levers:trl")
-            if m is not None:
-                rows.append((f"{name}: rlhf + levers vs TRL 1.12 (gc on), beside the target", f"{m:.2f}×", None))
         r = med(g, "trl", "rss_ratio")
         if r is not None:
             a, b = g["sides"]["rlhf"]["peak_rss_mb"]["median"], g["sides"]["trl"]["peak_rss_mb"]["median"]
@@ -704,14 +669,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", nargs="+", default=["tiny", "mini", "mid", "small"], choices=list(FULL))
     ap.add_argument("--variants", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument("--only", nargs="+", choices=["speed", "roofline", "learning"], default=None)
-    ap.add_argument("--levers", action="store_true", help="also run rlhf with bench/levers.py's levers on the "
-                    "sizes between tiny and small")
     ap.add_argument("--real", action="store_true", help="the real workload (Qwen3-0.6B's shape, LoRA) instead of "
                     "the quick ones; results in real.json")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                     help="--real: precisions to run (default both)")
-    ap.add_argument("--sides", nargs="+", default=["trl", "rlhf"], choices=["trl", "rlhf", "rlhf_levers",
-                    "rlhf_levers_mem"], help="--real: the sides, in the order they alternate")
+    ap.add_argument("--sides", nargs="+", default=["trl", "rlhf"], choices=["trl", "rlhf"],
+                    help="--real: the sides, in the order they alternate")
     ap.add_argument("--rep-start", type=int, default=1, help="number of the first repetition (with --merge: add "
                     "repetitions to earlier ones)")
     ap.add_argument("--merge", action="store_true", help="keep the runs already in speed.json / real.json whose "

@@ -567,6 +567,14 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
         _frozen(plan, ps, "value trunk", pc)
         n_value = lora_params(a, r, value_targets) + a.hidden_size
         copies += _trainable(plan, ps, "value LoRA + score head", n_value, "value LoRA")
+    elif bool(p.get("sparse_value_embedding", True)) and ps.world == 1 and not float(p.get("weight_decay", 0.0)):
+        # the embedding steps through the rows tokens reach (rlhf_cli/ppo/sparse_rows.py): no dense gradient; its
+        # moments grow with the distinct tokens seen, planned here for every row (a long run's upper bound)
+        n_value, emb = pc, a.vocab_size * a.hidden_size
+        copies += _trainable(plan, ps, "value model weights (less the embedding)", pc - emb, "value model")
+        plan.items.append(Item("value embedding", emb * 4, f"{emb / 1e6:.2f}M × 4 B (fp32, stepped by rows)"))
+        plan.items.append(Item("optimizer (value embedding rows)", emb * 8,
+                               "AdamW moments of the rows seen, 8 B/param; at most every row"))
     else:
         n_value = pc
         copies += _trainable(plan, ps, "value model weights", pc, "value model")
@@ -612,10 +620,16 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
                            "logits, fp32 log-softmax / entropy, float64 CDF", "transient"))
     merged = 0.0
     if lora:
-        # sampling runs on the LoRA merged into a copy of each adapted weight (ppo.rollout.lora_merged)
+        # sampling runs on the LoRA merged into a copy of each adapted weight (ppo.rollout.lora_merged), except on
+        # a CPU with adapted weights over CPU_MERGE_MAX_BYTES
+        from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
+
         merged = adapted_weight_params(a, targets) * wb
-        plan.items.append(Item("merged LoRA weights", merged,
-                               f"W + B·A copies of the adapted weights × {wb} B", "transient"))
+        if ps.accelerator == "cpu" and merged > CPU_MERGE_MAX_BYTES:
+            merged = 0.0
+        else:
+            plan.items.append(Item("merged LoRA weights", merged,
+                                   f"W + B·A copies of the adapted weights × {wb} B", "transient"))
     plan.phases["sampling"] = kv + step_logits + merged
     # rollout, step 2: scoring (reference / recomputed log-probs, values, reward), no gradients
     recompute = recomputes_logprobs(cfg, ps)

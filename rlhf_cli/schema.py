@@ -208,6 +208,7 @@ SCHEMA: dict[str, Rule] = {
     "ppo.loss_aggregation": one_of("token_mean", "sequence_mean"),
     "ppo.kl_loss_estimator": one_of("k1", "k3", "abs", "mse"),
     "ppo.value_lora": flag(),
+    "ppo.sparse_value_embedding": flag(),
     "ppo.total_episodes": COUNT,                     # ≥ one update's batch: checked by config.ppo_sizes
     "ppo.per_device_train_batch_size": COUNT,
     "ppo.gradient_accumulation_steps": COUNT,

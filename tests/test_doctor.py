@@ -221,8 +221,16 @@ def test_full_value_model_plans_more_than_value_lora():
     full_cfg = compose("ppo", ["recipe=qwen3-0.6b", "ppo.value_lora=false"])
     lora, full = M.plan_stage(lora_cfg, "ppo", QWEN), M.plan_stage(full_cfg, "ppo", QWEN)
     assert full.peak > lora.peak + 6 * M.GiB  # fp32 weights, gradients and AdamW states of 596M parameters
-    assert _items(full)["value model weights"].bytes == M.seq_cls_params(QWEN) * 4
+    emb = QWEN.vocab_size * QWEN.hidden_size
+    items = _items(full)
+    # the embedding steps by rows (ppo.sparse_value_embedding): no dense gradient, moments planned for every row
+    assert items["value model weights (less the embedding)"].bytes == (M.seq_cls_params(QWEN) - emb) * 4
+    assert items["value embedding"].bytes == emb * 4 and "gradients (value embedding)" not in items
     assert full.checkpoint > lora.checkpoint + M.seq_cls_params(QWEN) * 11
+    dense = M.plan_stage(compose("ppo", ["recipe=qwen3-0.6b", "ppo.value_lora=false",
+                                         "ppo.sparse_value_embedding=false"]), "ppo", QWEN)
+    assert _items(dense)["value model weights"].bytes == M.seq_cls_params(QWEN) * 4
+    assert dense.peak >= full.peak + emb * 4  # at least the embedding's dense gradient
     tiny_lora = M.plan_stage(compose("ppo", ["ppo.value_lora=true"]), "ppo", tiny_arch())
     tiny_full = M.plan_stage(compose("ppo", ["ppo.value_lora=false"]), "ppo", tiny_arch())
     assert tiny_full.peak > tiny_lora.peak

@@ -190,3 +190,34 @@ def test_lora_on_a_tied_output_layer_leaves_the_embeddings_alone(tmp_path):
     merged.save_pretrained(str(tmp_path))
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_large_adapted_weights_on_a_cpu_sample_unmerged(model, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    import copy
+
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                         task_type="CAUSAL_LM")).eval()
+    for name, p in pm.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.1)
+    layers = [m for m in pm.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    weights = {id(m): m.base_layer.weight for m in layers}
+    seen = []
+    real_forward = type(layers[0]).forward
+
+    def spy(self, x, *a, **kw):
+        seen.append(self.base_layer.weight is weights[id(self)] and not self.disable_adapters)
+        return real_forward(self, x, *a, **kw)
+
+    monkeypatch.setattr(type(layers[0]), "forward", spy)
+    monkeypatch.setattr(ro, "CPU_MERGE_MAX_BYTES", 0)  # every adapted weight counts as large
+    a, b = sample_plain_and_merged(pm)
+    assert seen and all(seen)  # the original weight, adapter on, in every forward
+    assert torch.equal(a["response"], b["response"]) and torch.equal(a["logits"], b["logits"])
+    monkeypatch.setattr(ro, "CPU_MERGE_MAX_BYTES", 256 * 2**20)
+    seen.clear()
+    sample_plain_and_merged(pm)
+    assert not all(seen)  # small weights merge: a copy, with the adapter off

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rlhf_cli.ppo import core
+from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
 
 
 class TokenValueModel(nn.Module):
@@ -135,7 +136,8 @@ def lora_merged(model):
     """Inference with a PEFT LoRA policy at the cost of its base model: every LoRA linear layer temporarily gets
     the merged weight W + scale·B·A as its base weight, and the adapter path is switched off. The original
     weight tensors are put back afterwards (never W + ΔW − ΔW), so the reference model (adapter disabled) does
-    not drift. Models without plain LoRA linear layers are used as they are."""
+    not drift. Models without plain LoRA linear layers, and on a CPU adapted weights over CPU_MERGE_MAX_BYTES,
+    are used as they are (the adapter then runs beside each weight)."""
     layers = []
     if hasattr(model, "peft_config") and hasattr(model, "disable_adapter"):
         try:
@@ -150,6 +152,10 @@ def lora_merged(model):
                         for m in layers)
             if not plain:
                 layers = []
+    weights = [m.base_layer.weight for m in layers]
+    if weights and weights[0].device.type == "cpu" and \
+            sum(w.numel() * w.element_size() for w in weights) > CPU_MERGE_MAX_BYTES:
+        layers = []
     if not layers:
         yield model
         return
@@ -226,8 +232,13 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     attn = prompt_mask.long()
     pos = position_ids_from(attn)
     cache = DynamicCache(config=getattr(model, "config", None))
+    # The last position's logits by index, not `logits_to_keep=1`: that slices the hidden states to a
+    # non-contiguous (B, 1, d) view, and for a frozen bf16 LM head torch.matmul then runs a bmm over the weight
+    # expanded B times (8 x 151,936 x 1,024 bf16 values copied: seconds per prefill on a CPU). An index gathers a
+    # contiguous copy of the B rows and the head is one matrix product.
+    last = torch.tensor([prompt_ids.shape[1] - 1], device=device)
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                logits_to_keep=1)
+                logits_to_keep=last)
     next_pos = pos[:, -1:] + 1
     ones = torch.ones(B, 1, dtype=attn.dtype, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)

@@ -15,6 +15,7 @@ The trainer does no config parsing and no printing of its own: the CLI stage bui
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import time
@@ -29,6 +30,9 @@ from rlhf_cli.ppo import checkpoint, core, rewards
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
 from rlhf_cli.ppo.rollout import leading_padding, policy_logits, response_slice
+from rlhf_cli.ppo.sparse_rows import RowSparseEmbedding
+
+log = logging.getLogger("rlhf")
 
 STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio", "kl_loss")
 
@@ -52,6 +56,29 @@ class Hooks:
     on_update: Callable[[int, dict], None] = lambda update, metrics: None
     on_save: Callable[[Path], None] = lambda path: None
     clock: Callable[[], float] = time.perf_counter
+
+
+def adamw(groups: list[dict], accelerator, **kw) -> torch.optim.AdamW:
+    """torch's AdamW, fused (one kernel per parameter instead of ~10 element-wise passes, and no temporaries the
+    size of the parameters) where the parameters stay plain tensors: one process or DDP. Under DeepSpeed and FSDP,
+    which reshape or shard the parameters, and where a device has no fused kernel, the default implementation."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kw)
+        except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+            pass
+    return torch.optim.AdamW(groups, **kw)
+
+
+def by_padding(perm: torch.Tensor, attention_mask: torch.Tensor, mini_batch: int) -> torch.Tensor:
+    """`perm` with each mini-batch's rows stably ordered by their prompt's leading padding, so that consecutive
+    micro-batches hold prompts of similar length and `leading_padding` can skip more columns. Which rows make a
+    mini-batch (and so an optimizer step) stays random; only their grouping into micro-batches changes."""
+    lead = (attention_mask.cumsum(-1) == 0).sum(-1)[perm]
+    chunks = [torch.sort(lead[i: i + mini_batch], stable=True).indices + i for i in range(0, perm.numel(), mini_batch)]
+    return perm[torch.cat(chunks)]
 
 
 def update_line(update: int, num_updates: int, m: dict[str, float]) -> str:
@@ -128,13 +155,17 @@ class PPOTrainer:
                 self.reward_functions[spec] = rewards.RewardFunction.load(spec, extra)
         self.source_names = rewards.source_names(c.reward)
         # one AdamW, two parameter groups (policy, value) with their own learning rates; fp32 master weights
+        self.sparse_emb = self._row_sparse_embedding(models.value)
         self.pol_params = [q for q in models.policy.parameters() if q.requires_grad]
         self.val_params = [q for q in models.value.parameters() if q.requires_grad] if models.value is not None \
             else []
         groups = [{"params": self.pol_params, "lr": c.learning_rate}]
         if models.value is not None:
-            groups.append({"params": self.val_params, "lr": c.value_lr})
-        optimizer = torch.optim.AdamW(groups, lr=c.learning_rate, weight_decay=c.weight_decay, eps=1e-5)
+            rows = [self.sparse_emb.param] if self.sparse_emb else []
+            groups.append({"params": self.val_params + rows, "lr": c.value_lr})
+        optimizer = adamw(groups, accelerator, lr=c.learning_rate, weight_decay=c.weight_decay, eps=1e-5)
+        if self.sparse_emb:
+            self.sparse_emb.attach(optimizer)
         total_steps = sizes.num_updates * c.num_ppo_epochs * sizes.num_mini_batches
         self.scheduler = get_scheduler(c.lr_scheduler_type, optimizer,
                                        num_warmup_steps=int(c.warmup_ratio * total_steps),
@@ -153,6 +184,24 @@ class PPOTrainer:
         self.progress = Progress()
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _row_sparse_embedding(self, value) -> RowSparseEmbedding | None:
+        """The value model's embedding trained through the rows tokens reach (rlhf_cli/ppo/sparse_rows.py), where
+        that is the same AdamW as the dense one: one process, weight_decay 0, an embedding that trains untied."""
+        if value is None or not self.c.sparse_value_embedding:
+            return None
+        value = getattr(value, "model", value)  # the sequence-classification model inside TokenValueModel
+        why = RowSparseEmbedding.applies(value) or \
+            ("it runs in more than one process" if self.world > 1 else None) or \
+            (f"ppo.weight_decay={self.c.weight_decay:g}" if self.c.weight_decay else None)
+        if why:
+            log.info("ppo: the value model's embedding trains densely: %s", why)
+            return None
+        return RowSparseEmbedding(value.get_input_embeddings())
+
+    def trainable(self) -> list[torch.Tensor]:
+        """Every parameter the optimizer steps (what the gradient norm is taken over)."""
+        return self.pol_params + self.val_params + ([self.sparse_emb.param] if self.sparse_emb else [])
+
     def autocast(self):
         """Forward passes run under autocast at the compute dtype; trainable weights stay fp32."""
         if self.compute_dtype is None:
@@ -335,7 +384,8 @@ class PPOTrainer:
             self.value.train()
             acc.unwrap_model(self.value).eval()
         for _epoch in range(c.num_ppo_epochs):
-            perm = torch.randperm(sz.local_batch_size, device=self.device)
+            perm = by_padding(torch.randperm(sz.local_batch_size, device=self.device), exp.attention_mask,
+                              sz.local_mini_batch_size)
             # per micro-batch, the prompt padding shared by all its rows is skipped (one host sync per epoch)
             starts = leading_padding(exp.attention_mask[perm], sz.micro_batch_size)
             for mb in range(sz.num_mini_batches):
@@ -353,13 +403,16 @@ class PPOTrainer:
                         mb_stats.append(self.micro_batch_step(exp, idx, starts[mb * sz.gradient_accumulation_steps + k],
                                                               sz.gradient_accumulation_steps))
                 s = torch.stack(mb_stats).mean(0)
-                grad_norm = acc.clip_grad_norm_(self.pol_params + self.val_params, c.max_grad_norm) \
-                    if c.max_grad_norm else None
+                if self.sparse_emb:
+                    self.sparse_emb.gather_grad()
+                grad_norm = acc.clip_grad_norm_(self.trainable(), c.max_grad_norm) if c.max_grad_norm else None
                 finite = torch.isfinite(s[:2]).all() & (torch.isfinite(grad_norm) if grad_norm is not None else True)
                 if not bool(finite):  # stop before the step: the weights (and the last checkpoint) stay finite
                     self._fail(f"the loss or gradient norm became non-finite (pg {s[0].item():.3g}, "
                                f"vf {s[1].item():.3g})", f"lower ppo.learning_rate (now {c.learning_rate:g})")
                 self.optimizer.step()
+                if self.sparse_emb:
+                    self.sparse_emb.write_back()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 steps.append(s)
@@ -456,6 +509,8 @@ class PPOTrainer:
         """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG."""
         st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank)
         self.optimizer.load_state_dict(st["optimizer"])
+        if self.sparse_emb:
+            self.sparse_emb.after_load()
         self.scheduler.load_state_dict(st["scheduler"])
         self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))
