@@ -52,6 +52,12 @@ BETWEEN = ("mini", "mid")  # the sizes between tiny and small
 SIDES = {"trl": "TRL 1.12", "trl_nogc": "TRL 1.12, gc off", "rlhf": "rlhf"}
 
 
+def side_name(key: str) -> str:
+    """A side's label; a results file from another version of the benchmark may hold sides this one no longer
+    runs, and the report still names them."""
+    return SIDES.get(key, key)
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -204,7 +210,7 @@ def speed(args, work: Path, shapes: dict, logfile: Path) -> list[dict]:
                 for side in sides:
                     r = one_run(side, wl, variant, shapes[wl], args.threads, raw, rep, logfile)
                     runs.append(r)
-                    log(f"{wl:5s} {variant:4s} {SIDES[side][:17]:17s} rep {rep}: {r['eps']:8.2f} eps/s, "
+                    log(f"{wl:5s} {variant:4s} {side_name(side)[:17]:17s} rep {rep}: {r['eps']:8.2f} eps/s, "
                         f"{r['train_s'] / r['updates']:7.3f} s/update, peak RSS {r['peak_rss_mb']:7.1f} MB "
                         f"(load {r['loadavg_before']:.1f})")
     return runs
@@ -225,7 +231,7 @@ def real(args, work: Path, logfile: Path) -> list[dict]:
                 r = one_run(side, "real", "lora", shape, args.threads, raw, rep, logfile, precision)
                 runs.append(r)
                 sp = r.get("split_s") or {}
-                log(f"real {precision} {SIDES[side]:8s} rep {rep}: {r['eps']:.4f} eps/s, {r['tokens_per_s']:.2f} tok/s, "
+                log(f"real {precision} {side_name(side):8s} rep {rep}: {r['eps']:.4f} eps/s, {r['tokens_per_s']:.2f} tok/s, "
                     f"peak RSS {r['peak_rss_mb']:.0f} MB, split " + " ".join(f"{k[:-2]} {sum(v):.1f}" for k, v in sp.items())
                     + f" (load {r['loadavg_before']:.1f})")
     mm += [matmul_rate(args.threads, d) for d in ("float32", "bfloat16")]
@@ -373,7 +379,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
             for side, st in g["sides"].items():
-                L.append(f"| {g['workload']} | {g['variant']} | {SIDES[side]} | {fmt3(st['eps'])} | "
+                L.append(f"| {g['workload']} | {g['variant']} | {side_name(side)} | {fmt3(st['eps'])} | "
                          f"{fmt3(st['s_per_update'], 3)} | {fmt3(st['peak_rss_mb'], 0)} | {st['eps']['n']} |")
         L += ["", "Ratios, rlhf / TRL per pair of neighbouring runs (min / **median** / max); RSS ratio < 1 means "
               "rlhf uses less memory:", "",
@@ -381,7 +387,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
             for side, r in g["ratios"].items():
-                L.append(f"| {g['workload']} | {g['variant']} | {SIDES[r.get('vs', side)]} | "
+                L.append(f"| {g['workload']} | {g['variant']} | {side_name(r.get('vs', side))} | "
                          f"{fmt3(r['eps_ratio'])} | {fmt3(r['cpu_eps_ratio'])} | {fmt3(r['rss_ratio'], 3)} | "
                          f"{r['eps_ratio']['n']} |")
         L += split_table(speed_res["groups"], "Time split, median seconds per update (every update of every run): "
@@ -398,7 +404,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
         if noise:
             worst = max(noise, key=lambda x: x[3])
             L += ["", f"Noise: the spread of episodes/s between repetitions of one side (coefficient of variation) "
-                  f"was at most {worst[3]:.1%} ({worst[0]} {worst[1]}, {SIDES[worst[2]]}); the median 1-minute load "
+                  f"was at most {worst[3]:.1%} ({worst[0]} {worst[1]}, {side_name(worst[2])}); the median 1-minute load "
                   f"average at the start of the runs was "
                   f"{statistics.median([n[4] for n in noise if n[4] is not None]):.2f} on "
                   f"{os.cpu_count()} cores. The CPU-time ratio (process CPU seconds of the loop) is less sensitive "
@@ -424,7 +430,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
             for side, s in v["sides"].items():
                 f6 = f"{s['fraction_of_matmul_6N']:.0%}" if s["fraction_of_matmul_6N"] is not None else "n/a"
                 fx = f"{s['fraction_of_matmul_executed']:.0%}" if s["fraction_of_matmul_executed"] is not None else "n/a"
-                L.append(f"| {SIDES[side]} | {s['s_per_update_median']:.2f} | {s['gflops_6N']:.1f} | {f6} | "
+                L.append(f"| {side_name(side)} | {s['s_per_update_median']:.2f} | {s['gflops_6N']:.1f} | {f6} | "
                          f"{s['gflops_executed']:.1f} | {fx} |")
             L.append("")
         fl = next(iter(roof["variants"].values()))["flops"] if roof["variants"] else None
@@ -464,7 +470,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                      f"{h['sft']['ground_truth_rate']:.3f} | 0 |")
             for side in ("rlhf", "trl"):
                 x = ps[side]
-                L.append(f"| {ps['seed']} | {SIDES[side]} | {x['rm_score']['first']:+.3f} → {x['rm_score']['last']:+.3f} "
+                L.append(f"| {ps['seed']} | {side_name(side)} | {x['rm_score']['first']:+.3f} → {x['rm_score']['last']:+.3f} "
                          f"({x['rm_score']['gain']:+.3f}) | {x['polite_rate']['first']:.3f} → "
                          f"{x['polite_rate']['last']:.3f} ({x['polite_rate']['gain']:+.3f}) | "
                          f"{h[side]['rm_score_mean']:+.3f} | {h[side]['ground_truth_rate']:.3f} | "
@@ -524,7 +530,7 @@ def real_section(res: dict) -> list[str]:
     for g in res["groups"].values():
         for side, x in g["sides"].items():
             phases = sorted({p.split()[-1] for p in x["rss_peak_phases"] if p})
-            L.append(f"| {g['precision']} | {SIDES[side]} | {x['precision_detail']} | {fmt3(x['eps'], 4)} | "
+            L.append(f"| {g['precision']} | {side_name(side)} | {x['precision_detail']} | {fmt3(x['eps'], 4)} | "
                      f"{fmt3(x['tokens_per_s'])} | {fmt3(x['s_per_update'], 1)} | {fmt3(x['peak_rss_mb'], 0)} | "
                      f"{', '.join(phases) or 'n/a'} | {x['eps']['n']} |")
     L += ["", "Ratios rlhf / TRL per neighbouring pair (min / **median** / max):", "",
@@ -556,8 +562,8 @@ def real_section(res: dict) -> list[str]:
                 work = fl[who]["update_gflop"] + (fl["rlhf_bf16_extra_gflop"] if who == "rlhf" and
                                                   g["precision"] == "bf16" else 0)
                 t = x["s_per_update"]["median"]
-                L.append(f"| {g['precision']} | {SIDES[side]} | {t:.1f} | {work / t:.1f} | "
-                         f"{work / t / r:.0%} |" if r else f"| {g['precision']} | {SIDES[side]} | {t:.1f} | "
+                L.append(f"| {g['precision']} | {side_name(side)} | {t:.1f} | {work / t:.1f} | "
+                         f"{work / t / r:.0%} |" if r else f"| {g['precision']} | {side_name(side)} | {t:.1f} | "
                          f"{work / t:.1f} | n/a |")
     L.append("")
     return L
@@ -571,7 +577,7 @@ def split_table(groups: dict, intro: str) -> list[str]:
             sp = st.get("split_s_median")
             if not sp:
                 continue
-            L.append(f"| {g['workload']} | {g['variant']} | {g.get('precision', 'fp32')} | {SIDES[side]} | "
+            L.append(f"| {g['workload']} | {g['variant']} | {g.get('precision', 'fp32')} | {side_name(side)} | "
                      + " | ".join(f"{sp.get(k, float('nan')):.3f}" for k in SPLIT_KEYS)
                      + f" | {st['s_per_update']['median']:.3f} |")
     return L
