@@ -190,6 +190,8 @@ class PPOTrainer:
         if value is None or not self.c.sparse_value_embedding:
             return None
         value = getattr(value, "model", value)  # the sequence-classification model inside TokenValueModel
+        if not value.get_input_embeddings().weight.requires_grad:  # a LoRA value model: the embedding is frozen
+            return None
         why = RowSparseEmbedding.applies(value) or \
             ("it runs in more than one process" if self.world > 1 else None) or \
             (f"ppo.weight_decay={self.c.weight_decay:g}" if self.c.weight_decay else None)
