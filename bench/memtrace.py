@@ -21,6 +21,16 @@ def rss_mb() -> float:
     return 0.0
 
 
+def memory_status() -> dict:
+    """VmHWM (peak RSS), RssAnon and RssFile of this process now, in MB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            out[key] = round(int(line.split()[1]) / 1024.0, 1)
+    return out
+
+
 class RssSampler(threading.Thread):
     def __init__(self, interval: float = 0.2) -> None:
         super().__init__(daemon=True)

@@ -67,16 +67,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def memory_status() -> dict:
-    """VmHWM (peak RSS), RssAnon and RssFile of this process now, in MB."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key = line.split(":", 1)[0]
-        if key in ("VmHWM", "RssAnon", "RssFile"):
-            out[key] = round(int(line.split()[1]) / 1024.0, 1)
-    return out
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.updates < 1 or a.response_length < 1 or a.threads < 1:
@@ -165,7 +155,7 @@ def main(argv=None) -> int:
 
     # ---- data ---------------------------------------------------------------------------------
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from memtrace import RssSampler
+    from memtrace import RssSampler, memory_status
 
     sampler = RssSampler()
     sampler.start()

@@ -12,7 +12,7 @@ from rlhf_cli.errors import RlhfError
 # copy, once per rollout, outweighs the adapter's small per-step matmuls when the weights are large: Qwen3-0.6B's
 # shape in fp32 (1.76 GB adapted), 8 x 32 tokens, 1 thread, 3 samplings each: merged 24.9 / 20.4 / 19.8 s (the
 # first pays ~5 s of fresh pages), unmerged 19.6 / 19.7 / 19.5 s. Small models merge (fewer ops per step is what
-# counts there); on a GPU the copy is cheap and they always merge.
+# counts there); on a GPU the copy is cheap and they always merge. Rerun: bench/merge_probe.py.
 CPU_MERGE_MAX_BYTES = 256 * 2**20
 
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")

@@ -97,6 +97,8 @@ class RowSparseEmbedding:
         grad = torch.zeros_like(self.param)
         for u, g in pending:
             grad.index_add_(0, torch.searchsorted(self.seen, u), g.to(grad.dtype))
+        if self.emb.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
+            grad.masked_fill_((self.seen == self.emb.padding_idx)[:, None], 0.0)
         self.param.grad = grad
 
     @torch.no_grad()
@@ -128,11 +130,7 @@ def _make_forward(rows: RowSparseEmbedding):
             return F.embedding(ids, module.weight, module.padding_idx)
         u, inv = torch.unique(ids, return_inverse=True)
         leaf = module.weight.detach()[u].requires_grad_()
-        pad = None
-        if module.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
-            hit = (u == module.padding_idx).nonzero()
-            pad = int(hit[0, 0]) if hit.numel() else None
         rows._pending.append((u, leaf))
-        return F.embedding(inv, leaf, pad)
+        return F.embedding(inv, leaf)  # the padding row's gradient is dropped in gather_grad
 
     return forward

@@ -1,0 +1,54 @@
+"""Operator profile of one PPO update of the rlhf side (torch profiler, CPU), for the README's "where the time goes".
+
+    .venv/bin/python bench/profile_ppo.py --update 1 -- --workload-dir bench/work/real --variant lora --updates 1 \
+        --response-length 32 --threads 1 --precision fp32 --episodes-per-update 8 --micro-batch 2 --out r.json
+    .venv/bin/python bench/profile_ppo.py --update 2 -- --workload-dir bench/work/mid --variant lora --updates 2 \
+        --response-length 64 --threads 1 --out r.json
+
+Everything after `--` goes to bench/rlhf_side.py. The PPO epochs (`PPOTrainer.update`) of update --update are
+profiled; the table (sorted by self CPU time) is printed when that update ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--update", type=int, default=1, help="which update's PPO epochs to profile")
+    ap.add_argument("--rows", type=int, default=30, help="rows of the table")
+    a = ap.parse_args(argv[:cut])
+    rest = argv[cut + 1:]
+    threads = rest[rest.index("--threads") + 1] if "--threads" in rest else "1"
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlhf_cli.ppo import trainer
+
+    real, calls = trainer.PPOTrainer.update, [0]
+
+    def update(self, exp):
+        calls[0] += 1
+        if calls[0] != a.update:
+            return real(self, exp)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = real(self, exp)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows), flush=True)
+        return out
+
+    trainer.PPOTrainer.update = update
+    import rlhf_side
+
+    return rlhf_side.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
