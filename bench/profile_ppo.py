@@ -41,7 +41,7 @@ def main(argv=None) -> int:
             return real(self, exp)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = real(self, exp)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows), flush=True)
+        print(prof.key_averages(group_by_input_shape=bool(os.environ.get("BY_SHAPE"))).table(sort_by="self_cpu_time_total", row_limit=a.rows), flush=True)
         return out
 
     trainer.PPOTrainer.update = update

@@ -221,3 +221,65 @@ def test_large_adapted_weights_on_a_cpu_sample_unmerged(model, monkeypatch):
     seen.clear()
     sample_plain_and_merged(pm)
     assert not all(seen)  # small weights merge: a copy, with the adapter off
+
+
+@torch.no_grad()
+def test_preallocated_cache_gives_the_stock_cache_logits(model, monkeypatch):
+    from transformers import DynamicCache
+
+    ids, mask = prompts()
+    runs = {}
+    for name in ("stock", "filled"):
+        if name == "stock":
+            monkeypatch.setattr(ro, "preallocated_cache", lambda m, capacity: DynamicCache(config=m.config))
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(3)
+        runs[name] = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=6), [], 0.7, keep_logits=True)
+    assert torch.equal(runs["stock"]["response"], runs["filled"]["response"])
+    torch.testing.assert_close(runs["stock"]["logits"], runs["filled"]["logits"], atol=0, rtol=0)
+    # a cache sized too small grows (keeping what it holds) instead of failing
+    small, stock = ro.preallocated_cache(model, 2), DynamicCache(config=model.config)
+    pos = ro.position_ids_from(mask)
+    outs = [model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c, use_cache=True).logits
+            for c in (small, stock)]
+    for step in range(7):  # past the first buffer (2 x the prompt): it grows once
+        nxt = outs[0][:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        pos = pos[:, -1:] + 1
+        outs = [model(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=c, use_cache=True).logits
+                for c in (small, stock)]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    assert small.get_seq_length() == stock.get_seq_length() == ids.shape[1] + 7
+    assert small.layers[0]._k.shape[-2] >= small.get_seq_length()
+
+
+def test_weight_first_rule():
+    w32, big32 = torch.zeros(64, 64), torch.zeros(1024, 1024)
+    assert ro.weight_first(16, w32) and ro.weight_first(48, w32) and not ro.weight_first(64, w32)
+    assert not ro.weight_first(8, w32) and ro.weight_first(8, big32) and not ro.weight_first(4, big32)
+    assert ro.weight_first(2, w32.bfloat16()) and not ro.weight_first(16, w32.half())
+
+
+@torch.no_grad()
+def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(model):
+    # 16 rows: the decode steps take the W·xᵀ path (prompts repeated; every row samples its own tokens)
+    ids, mask = prompts()
+    ids, mask = ids.repeat(6, 1)[:16], mask.repeat(6, 1)[:16]
+    calls = []
+    real = ro._weight_first_linear
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ro, "_weight_first_linear", lambda self, x: calls.append(x.shape) or real(self, x))
+        torch.manual_seed(4)
+        r = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=5), [], 0.7, keep_logits=True)
+    assert calls and all(s[0] * s[1] == 16 for s in calls)  # the steps only, not the prefill
+    assert all("forward" not in m.__dict__ for m in model.modules())  # put back
+    full = torch.cat([ids, r["response"]], 1)
+    am = torch.cat([mask, torch.ones_like(r["response"])], 1)
+    torch.testing.assert_close(ro.policy_logits(model, full, am, ro.position_ids_from(am), 5), r["logits"],
+                               atol=1e-5, rtol=1e-5)
+    x = torch.randn(16, 1, model.config.hidden_size)
+    lin = model.model.layers[0].mlp.up_proj
+    with ro.weight_first_linears(model):
+        assert "forward" in lin.__dict__
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-6, rtol=1e-5)
