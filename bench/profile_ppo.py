@@ -6,7 +6,8 @@
         --response-length 64 --threads 1 --out r.json
 
 Everything after `--` goes to bench/rlhf_side.py. The PPO epochs (`PPOTrainer.update`) of update --update are
-profiled; the table (sorted by self CPU time) is printed when that update ends.
+profiled; the table (sorted by self CPU time) is printed when that update ends. BY_SHAPE=1 in the environment
+splits each operator's row by input shapes.
 """
 
 from __future__ import annotations
