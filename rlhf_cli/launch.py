@@ -279,6 +279,15 @@ def launcher_prefix() -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch"]
 
 
+def quiet_launch_argv(argv: list[str]) -> list[str]:
+    """The launch command `argv` (from `launch_argv`) through `rlhf_cli.accelerate_launch`: the same launch, with
+    one line instead of the launcher's traceback when a process fails."""
+    prefix = launcher_prefix()
+    if argv[: len(prefix)] != prefix:
+        raise ValueError(f"not an accelerate launch command: {argv[:3]}")
+    return [sys.executable, "-m", "rlhf_cli.accelerate_launch", *argv[len(prefix):]]
+
+
 def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None) -> list[str]:
     """The full launch command: ddp as explicit flags; DeepSpeed / FSDP through the generated config file."""
     d = cfg.device
@@ -368,7 +377,7 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
     log.info("launching %d process(es) per machine: %s", num_processes(cfg.device), line)
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return run_launcher(argv, env)
+    return run_launcher(quiet_launch_argv(argv), env)
 
 
 # ---------------------------------------------------------------------------------------- process lifetime

@@ -254,7 +254,7 @@ SCHEMA: dict[str, Rule] = {
     # ---- conf/stage/eval.yaml
     "eval.output_dir": text(),
     "eval.policies": Rule("mapping"),
-    "eval.reward_dir": text(),
+    "eval.reward_dir": text(null=True),  # null: no reward-model scores (a run rewarded by functions alone)
     "eval.num_prompts": COUNT,
     "eval.batch_size": COUNT,
     "eval.response_length": COUNT,

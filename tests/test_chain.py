@@ -107,6 +107,20 @@ def test_eval_report(chain):
     assert abs(gt - r["policies"]["ppo"]["ground_truth_rate"]) < 1e-9
 
 
+def test_eval_without_a_reward_model(chain):
+    # a run rewarded by functions alone has no reward model to score with: eval reports everything else
+    out = chain / "runs/tiny/eval-no-rm"
+    proc = ok(rlhf(chain, "eval", "device.threads=1", "eval.reward_dir=null", f"eval.output_dir={out}",
+                   "eval.num_prompts=16"))
+    r = json.loads((out / "report.json").read_text())
+    assert r["reward_dir"] is None and r["win_rate"] == {} and sorted(r["policies"]) == ["ppo", "sft"]
+    for row in r["policies"].values():
+        assert row["rm_score_mean"] is None and row["ground_truth_rate"] is not None
+        assert "rm_gt_disagreement" not in row
+    assert abs(r["policies"]["sft"]["kl_to_ref_mean"]) < 1e-3 and "no RM" in proc.stdout
+    assert "RM" not in (out / "report.md").read_text().split("## Samples")[1]
+
+
 def test_value_model_starts_in_normalised_score_units(chain):
     """With normalised scores the value head copied from the RM is divided by the RM's score std, so the first
     values are in the units of the returns."""

@@ -288,6 +288,19 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
 @pytest.mark.dist
 @pytest.mark.slow
 @LONG_TEST
+def test_a_failing_started_process_ends_the_run_with_its_one_line_error(chain):
+    root, run = chain
+    missing = root / "no-such-policy"
+    rc, out, err = rlhf(root, "ppo", *DDP, f"ppo.policy_dir={missing}", f"ppo.output_dir={run / 'ppo-failed'}")
+    assert rc == 2, err[-3000:]  # the started processes' exit code (a configuration error), not the launcher's 1
+    assert str(missing) in err and "the launched processes failed (exit 2)" in err
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert not (run / "ppo-failed").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
 def test_two_process_fsdp_sft_saves_full_weights(chain):
     """FSDP2 through accelerate and trl (gloo on the CPU): the sharded weights are gathered into one plain
     model directory that loads like the DDP one."""

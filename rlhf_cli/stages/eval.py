@@ -1,10 +1,11 @@
 """`rlhf eval`: compare policies (by default the run's SFT and PPO) on held-out prompts.
 
-For each policy: mean reward-model score, mean KL to the reference (the SFT policy: k1 summed over the
+For each policy: mean reward-model score (none with `eval.reward_dir=null`), mean KL to the reference (the SFT policy: k1 summed over the
 response, on the policy's own samples), response length, EOS and empty rates, and the ground-truth rate where
 the data defines a checker (`data.ground_truth`: `demo_polite`, or any `module:function` returning a bool or a
 number in [0, 1]). Across policies: the RM win rate of PPO over SFT on the same prompts, and where the RM and
-the ground truth disagree (reward hacking shows up there first).
+the ground truth disagree (reward hacking shows up there first). Without a reward model (a run rewarded by
+functions alone) the report has everything else.
 
 Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
 ground-truth verdict) and training_curves.png (from the PPO TensorBoard events).
@@ -38,7 +39,8 @@ CURVES = [("objective/scores", "score (ppo.reward)"), ("objective/ground_truth_r
 @torch.no_grad()
 def sample_and_score(policy, ref, rm, tok, prompts: list[str], s: Sampling, device, seed: int, autocast,
                      progress=None) -> dict:
-    """Responses of `policy` to `prompts` through PPO's own sampling path, with their RM score and KL to `ref`."""
+    """Responses of `policy` to `prompts` through PPO's own sampling path, with their RM score (None without a
+    reward model) and KL to `ref`."""
     torch.manual_seed(seed)
     out = {"texts": [], "rm_score": [], "kl": [], "length": [], "eos": [], "empty": []}
     for i in range(0, len(prompts), s.forward_batch_size):
@@ -46,7 +48,7 @@ def sample_and_score(policy, ref, rm, tok, prompts: list[str], s: Sampling, devi
             exp = make_experience(prompts[i: i + s.forward_batch_size], tok, policy, s, ref_model=ref,
                                   reward_model=rm, device=device)
         out["texts"] += exp.texts
-        out["rm_score"] += exp.rm_scores.tolist()
+        out["rm_score"] += exp.rm_scores.tolist() if exp.rm_scores is not None else [None] * len(exp.texts)
         out["kl"] += core.masked_sum(exp.logprobs - exp.ref_logprobs, exp.response_mask, dim=-1).tolist()
         out["length"] += exp.response_mask.sum(-1).tolist()
         out["eos"] += exp.has_stop.tolist()
@@ -63,11 +65,14 @@ def _mean(xs) -> float:
 def summarise(s: dict) -> dict:
     """One policy's row. With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5):
     its mean, the RM score on passing and failing responses, and how often the RM and the checker disagree."""
-    row = {"rm_score_mean": _mean(s["rm_score"]), "kl_to_ref_mean": _mean(s["kl"]),
+    scored = all(r is not None for r in s["rm_score"])
+    row = {"rm_score_mean": _mean(s["rm_score"]) if scored else None, "kl_to_ref_mean": _mean(s["kl"]),
            "response_length_mean": _mean(s["length"]), "eos_rate": _mean([float(x) for x in s["eos"]]),
            "empty_rate": _mean([float(x) for x in s["empty"]]), "ground_truth_rate": None}
     if s.get("ground_truth") is not None:
         row["ground_truth_rate"] = _mean([float(x) for x in s["ground_truth"]])
+        if not scored:
+            return row
         ok = [x >= 0.5 for x in s["ground_truth"]]
         bad = [r for r, g in zip(s["rm_score"], ok) if not g]
         good = [r for r, g in zip(s["rm_score"], ok) if g]
@@ -128,15 +133,16 @@ def markdown(report: dict) -> str:
     lines += [""] + [f"- win rate {k.replace('_vs_', ' over ')} (reward model): **{v:.3f}**"
                      for k, v in report["win_rate"].items()]
     if report.get("ground_truth"):
-        lines += ["", f"ground truth: `{report['ground_truth']}` (data.ground_truth); rm_gt_disagreement: share of "
-                  "responses where the reward model (score above the mean score of responses the checker accepts) "
-                  "and the checker disagree."]
+        lines += ["", f"ground truth: `{report['ground_truth']}` (data.ground_truth)" + (
+            "; rm_gt_disagreement: share of responses where the reward model (score above the mean score of "
+            "responses the checker accepts) and the checker disagree." if report.get("reward_dir") else ".")]
     lines += [""]
     if report.get("plot"):
         lines += [f"![training curves]({report['plot']})", ""]
     lines += ["## Samples", ""]
     for name, samples in report["samples"].items():
-        lines += [f"### {name}", ""] + [f"- `{s['prompt']}` → {s['response']!r} (RM {s['rm_score']:+.2f})"
+        lines += [f"### {name}", ""] + [f"- `{s['prompt']}` → {s['response']!r}"
+                                        + (f" (RM {s['rm_score']:+.2f})" if s["rm_score"] is not None else "")
                                         for s in samples] + [""]
     return "\n".join(lines)
 
@@ -151,19 +157,22 @@ def run(cfg) -> None:
     device = torch.device("cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu")
     storage, compute = resolve_precision(cfg)
     ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
-    reward_dir = require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json")
+    reward_dir = None if e.reward_dir is None else \
+        require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json")
     made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo"}
     policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
                    for name, path in e.policies.items()}
     tok = load_tokenizer(ref_dir, cfg.model)
-    if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
+    if reward_dir is not None and not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
         raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({ref_dir})")
     prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
     gt, rows = _sampling.ground_truth(cfg, evals), _sampling.rows(evals)
 
-    rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model)
-    check_finite(rm_model, "the reward model", reward_dir)
-    rm = TokenValueModel(rm_model).to(device).eval()
+    rm = None
+    if reward_dir is not None:
+        rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model)
+        check_finite(rm_model, "the reward model", reward_dir)
+        rm = TokenValueModel(rm_model).to(device).eval()
     ref = load_policy(ref_dir, storage, cfg.model, merge=True).to(device).eval()
     s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
                            recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True)
@@ -179,14 +188,15 @@ def run(cfg) -> None:
         log.info("eval: %s done", name)
     bar.close()
 
-    report = {"num_prompts": len(prompts), "reward_dir": str(reward_dir), "reference": str(ref_dir),
+    report = {"num_prompts": len(prompts), "reward_dir": str(reward_dir) if reward_dir else None,
+              "reference": str(ref_dir),
               "policies": {n: summarise(s) for n, s in results.items()}, "win_rate": {}, "samples": {}}
     if gt is not None:
         report["ground_truth"] = gt.spec
     names = list(results)
     for a in names:
         for b in names:
-            if a != b and (a, b) != ("sft", "ppo"):
+            if a != b and (a, b) != ("sft", "ppo") and rm is not None:
                 report["win_rate"][f"{a}_vs_{b}"] = win_rate(results[a]["rm_score"], results[b]["rm_score"])
     for n, s in results.items():
         report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],
@@ -209,7 +219,8 @@ def run(cfg) -> None:
         (out / "report.md").write_text(markdown(report), encoding="utf-8")
     for n, row in report["policies"].items():
         gt_s = f", ground truth {row['ground_truth_rate']:.3f}" if row["ground_truth_rate"] is not None else ""
-        print(f"{n:>6}: RM {row['rm_score_mean']:+.3f}{gt_s}, KL {row['kl_to_ref_mean']:.2f}, "
+        rm_s = f"RM {row['rm_score_mean']:+.3f}" if row["rm_score_mean"] is not None else "no RM"
+        print(f"{n:>6}: {rm_s}{gt_s}, KL {row['kl_to_ref_mean']:.2f}, "
               f"length {row['response_length_mean']:.1f}, EOS {row['eos_rate']:.2f}, empty {row['empty_rate']:.2f}")
     for k, v in report["win_rate"].items():
         print(f"win rate {k}: {v:.3f}")
