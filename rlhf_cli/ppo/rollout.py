@@ -196,10 +196,10 @@ def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, sha
 
 def weight_first(rows: int, weight: torch.Tensor) -> bool:
     """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear asks
-    BLAS for). Measured on an Intel Xeon (1 thread, bench/linear_probe.py): with 8-48 rows, the sampling
-    steps' batch, W·xᵀ reads the weights 1.2-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x in fp32, 1.3-1.5x in
-    bf16), except fp32 weights under 1 M values at 8 rows (0.5-0.8x); below 8 rows and from 64 the two are even
-    or F.linear wins."""
+    BLAS for). Measured on an Intel Xeon (1 thread, bench/linear_probe.py) for the sampling steps' few rows:
+    fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x at 8 rows), except weights under
+    1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16, 2-48 rows, 1.1-2.2x; from 64 rows the two are even
+    or F.linear wins. Sampling Qwen3-0.6B's shape (bench/sampling_probe.py): fp32 1.26x, bf16 1.09x."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     if weight.dtype == torch.bfloat16:
@@ -233,12 +233,11 @@ def weight_first_linears(model):
             m.__dict__.pop("forward", None)
 
 
-@torch.no_grad()
 def preallocated_cache(model, capacity: int):
     """A `DynamicCache` whose full-attention layers write into buffers sized for the whole sample (prompt +
     response) and hand out views of the filled part. The stock layer concatenates each step's keys and values
-    onto the cache, copying all of it every step (a third of a small model's sampling time on a CPU); the
-    attention reads the same numbers either way. Other layer kinds (sliding windows, ...) are kept as they are."""
+    onto the cache, copying all of it every step (bench/sampling_probe.py: 8% of the mid workload's sampling
+    time on a CPU, 2% of Qwen3-0.6B's in fp32); the attention reads the same numbers either way. Other layer kinds (sliding windows, ...) are kept as they are."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 

@@ -1,7 +1,7 @@
 """`rlhf eval`: compare policies (by default the run's SFT and PPO) on held-out prompts.
 
-For each policy: mean reward-model score (none with `eval.reward_dir=null`), mean KL to the reference (the SFT policy: k1 summed over the
-response, on the policy's own samples), response length, EOS and empty rates, and the ground-truth rate where
+For each policy: mean reward-model score (none with `eval.reward_dir=null`), mean KL to the reference (the
+SFT policy: k1 summed over the response, on the policy's own samples), response length, EOS and empty rates, and the ground-truth rate where
 the data defines a checker (`data.ground_truth`: `demo_polite`, or any `module:function` returning a bool or a
 number in [0, 1]). Across policies: the RM win rate of PPO over SFT on the same prompts, and where the RM and
 the ground truth disagree (reward hacking shows up there first). Without a reward model (a run rewarded by
@@ -193,10 +193,10 @@ def run(cfg) -> None:
               "policies": {n: summarise(s) for n, s in results.items()}, "win_rate": {}, "samples": {}}
     if gt is not None:
         report["ground_truth"] = gt.spec
-    names = list(results)
+    names = list(results) if rm is not None else []  # win rates compare reward-model scores
     for a in names:
         for b in names:
-            if a != b and (a, b) != ("sft", "ppo") and rm is not None:
+            if a != b and (a, b) != ("sft", "ppo"):
                 report["win_rate"][f"{a}_vs_{b}"] = win_rate(results[a]["rm_score"], results[b]["rm_score"])
     for n, s in results.items():
         report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],
