@@ -6,7 +6,8 @@
         --response-length 64 --threads 1 --out r.json
 
 Everything after `--` goes to bench/rlhf_side.py. The PPO epochs (`PPOTrainer.update`) of update --update are
-profiled; the table (sorted by self CPU time) is printed when that update ends. BY_SHAPE=1 in the environment
+profiled, or with --phase experience its sampling and scoring (`make_experience`); the table (sorted by self CPU
+time) is printed when that phase ends. BY_SHAPE=1 in the environment
 splits each operator's row by input shapes.
 """
 
@@ -26,6 +27,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--update", type=int, default=1, help="which update's PPO epochs to profile")
     ap.add_argument("--rows", type=int, default=30, help="rows of the table")
+    ap.add_argument("--phase", choices=["update", "experience"], default="update",
+                    help="the PPO epochs, or sampling and scoring")
     a = ap.parse_args(argv[:cut])
     rest = argv[cut + 1:]
     threads = rest[rest.index("--threads") + 1] if "--threads" in rest else "1"
@@ -34,18 +37,21 @@ def main(argv=None) -> int:
 
     from rlhf_cli.ppo import trainer
 
-    real, calls = trainer.PPOTrainer.update, [0]
+    owner, name = (trainer.PPOTrainer, "update") if a.phase == "update" else (trainer, "make_experience")
+    real, calls = getattr(owner, name), [0]
 
-    def update(self, exp):
+    def profiled(*args, **kw):
         calls[0] += 1
         if calls[0] != a.update:
-            return real(self, exp)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            out = real(self, exp)
-        print(prof.key_averages(group_by_input_shape=bool(os.environ.get("BY_SHAPE"))).table(sort_by="self_cpu_time_total", row_limit=a.rows), flush=True)
+            return real(*args, **kw)
+        by_shape = bool(os.environ.get("BY_SHAPE"))
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=by_shape) as prof:
+            out = real(*args, **kw)
+        print(prof.key_averages(group_by_input_shape=by_shape).table(sort_by="self_cpu_time_total", row_limit=a.rows),
+              flush=True)
         return out
 
-    trainer.PPOTrainer.update = update
+    setattr(owner, name, profiled)
     import rlhf_side
 
     return rlhf_side.main(rest)

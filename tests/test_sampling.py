@@ -254,20 +254,25 @@ def test_preallocated_cache_gives_the_stock_cache_logits(model, monkeypatch):
     assert small.layers[0]._k.shape[-2] >= small.get_seq_length()
 
 
-def test_weight_first_rule():
+def test_weight_first_rule(monkeypatch):
     w32, big32 = torch.zeros(64, 64), torch.zeros(1024, 1024)
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: True)
     assert ro.weight_first(16, w32) and ro.weight_first(48, w32) and not ro.weight_first(64, w32)
     assert not ro.weight_first(8, w32) and ro.weight_first(8, big32) and not ro.weight_first(4, big32)
     assert ro.weight_first(2, w32.bfloat16()) and not ro.weight_first(16, w32.half())
+    # on a CPU it was not measured on, never
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: False)
+    assert not any(ro.weight_first(r, w) for r in (2, 8, 16, 48) for w in (w32, big32, w32.bfloat16()))
 
 
 @torch.no_grad()
-def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(model):
+def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(model, monkeypatch):
     # 16 rows: the decode steps take the W·xᵀ path (prompts repeated; every row samples its own tokens)
     ids, mask = prompts()
     ids, mask = ids.repeat(6, 1)[:16], mask.repeat(6, 1)[:16]
     calls = []
     real = ro._weight_first_linear
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: True)  # the W·xᵀ path on any CPU
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ro, "_weight_first_linear", lambda self, x: calls.append(x.shape) or real(self, x))
         torch.manual_seed(4)

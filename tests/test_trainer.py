@@ -105,6 +105,55 @@ def test_make_experience_shapes_masks_stops_and_score_position(base, tok):
     assert len(exp.texts) == B and exp.values is None
 
 
+def test_score_groups_order_rows_by_padding_and_put_them_back():
+    from rlhf_cli.ppo.experience import _in_row_order, score_groups
+
+    lead = [3, 0, 5, 1, 0, 2]
+    mask = torch.tensor([[0] * n + [1] * (8 - n) for n in lead])
+    groups, inverse = score_groups(mask, 2)
+    assert [g.tolist() for g, _ in groups] == [[1, 4], [3, 5], [0, 2]]   # by leading padding, stable
+    assert [st for _, st in groups] == [0, 1, 3]                         # the padding all rows of a group share
+    rows = torch.arange(6.0)[:, None]
+    assert _in_row_order([rows[g] for g, _ in groups], inverse).flatten().tolist() == list(range(6))
+    [(whole, st)], none = score_groups(mask, None)
+    assert whole == slice(None) and st == 0 and none is None and score_groups(mask, 6)[1] is None
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_scoring_in_groups_gives_the_scores_of_one_forward(base, tok, recompute):
+    """Scoring forwards over groups of rows of similar prompt length (their shared padding skipped) read the
+    same log-probs, values and reward scores as one forward over the whole chunk."""
+    from peft import get_peft_model
+
+    from rlhf_cli.models import load_causal_lm, load_seq_cls, lora_config
+
+    prompts = [f"<|im_start|>user\n{' '.join(['cook rice'] * (1 + 3 * (i % 4)))}?<|im_end|>\n<|im_start|>assistant\n"
+               for i in range(8)]
+    torch.manual_seed(3)
+    policy = get_peft_model(load_causal_lm(base, torch.float32), lora_config(ppo_cfg().lora, "CAUSAL_LM")).eval()
+    with torch.no_grad():  # a non-zero adapter: the reference (adapter disabled) differs from the policy
+        for n, w in policy.named_parameters():
+            if "lora_B" in n:
+                w.normal_(0, 0.5)
+    value = TokenValueModel(load_seq_cls(base, tok, torch.float32)).eval()
+    reward = TokenValueModel(load_seq_cls(base, tok, torch.float32)).eval()
+    out = {}
+    for group in (None, 3):
+        s = Sampling(max_new_tokens=8, temperature=0.7, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                     stop_ids=(tok.eos_token_id,), forward_batch_size=8, recompute_logprobs=recompute,
+                     score_batch_size=group)
+        torch.manual_seed(5)
+        out[group] = make_experience(prompts, tok, policy, s, value_model=value, reward_model=reward)
+    a, b = out[None], out[3]
+    assert len(set(a.attention_mask.sum(-1).tolist())) > 2  # prompts of several lengths
+    assert torch.equal(a.response_ids, b.response_ids)
+    m = a.response_mask
+    for f in ("logprobs", "ref_logprobs", "values", "entropy"):
+        torch.testing.assert_close(getattr(b, f) * m, getattr(a, f) * m, atol=1e-5, rtol=1e-5, msg=f)
+    torch.testing.assert_close(b.rm_scores, a.rm_scores, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a.logprobs * m, a.ref_logprobs * m, atol=1e-3)
+
+
 def test_fixed_length_responses_without_a_stop_token(base, tok):
     from rlhf_cli.models import load_causal_lm
 

@@ -38,6 +38,7 @@ class Sampling:
     forward_batch_size: int = 32       # prompts generated and scored together
     vocab_size: int | None = None      # logits past the tokenizer's last id are never sampled nor scored
     recompute_logprobs: bool = False   # old log-probs from the training forward instead of the sampling pass
+    score_batch_size: int | None = None  # rows per scoring forward, grouped by prompt length (None: the chunk)
 
     @property
     def score_temperature(self) -> float:
@@ -134,6 +135,30 @@ class Experience:
         return Experience(**out)
 
 
+def score_groups(attention_mask: torch.Tensor, group: int | None) -> tuple[list[tuple], torch.Tensor | None]:
+    """The row groups of the scoring forwards: `group` rows at a time (all rows if None), ordered by their
+    prompt's leading padding so that rows of similar length go together, each with the number of leading columns
+    that are padding in all its rows (its forward skips them: masked keys, and positions come from position_ids).
+    Returns [(rows, start)] and the permutation that puts the groups' concatenated outputs back in row order
+    (None when the rows keep their order)."""
+    B = attention_mask.shape[0]
+    lead = (attention_mask.cumsum(-1) == 0).sum(-1)
+    if not group or group >= B:
+        return [(slice(None), int(lead.min()))], None
+    order = torch.sort(lead, stable=True).indices
+    starts = lead[order].tolist()  # ascending: a group's first row has its shared padding
+    groups = [(order[i: i + group], starts[i]) for i in range(0, B, group)]
+    return groups, torch.argsort(order)
+
+
+def _in_row_order(outs: list, inverse: torch.Tensor | None):
+    """Per-group outputs (tensors, or tuples of them) concatenated and put back in row order."""
+    if isinstance(outs[0], tuple):
+        return tuple(_in_row_order([o[k] for o in outs], inverse) for k in range(len(outs[0])))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out if inverse is None else out[inverse]
+
+
 def reference_logits(policy, ref_model, input_ids, attention_mask, position_ids, response_length: int,
                      vocab_size: int | None = None) -> torch.Tensor:
     """The reference's logits (B, R, V): an explicit frozen model, or the policy with its adapter disabled (a
@@ -154,7 +179,8 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
     is given). value_model / reward_model: `TokenValueModel`s, optional (eval and critic-free PPO have no value
     model; a run rewarded by functions alone has no reward model). The
     log-probs come from the sampling pass, or with `s.recompute_logprobs` from a full forward like the
-    update's (the two disagree in low precision)."""
+    update's (the two disagree in low precision). The scoring forwards run `s.score_batch_size` rows at a time,
+    rows of similar prompt length together (`score_groups`): a smaller peak and less padding than the chunk's."""
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     gen_config = s.generation_config()
     stop_ids = list(s.stop_ids)
@@ -174,19 +200,30 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
         attn = torch.cat([q_mask, rmask.long()], 1)
         pos = position_ids_from(attn)
         logprobs, entropy = g["logprobs"], g["entropy"]
+        groups, inverse = score_groups(attn, s.score_batch_size)
+
+        def each(fn):
+            """fn(ids, mask, positions, rows, start) over the row groups, the outputs in row order."""
+            return _in_row_order([fn(input_ids[rows, st:], attn[rows, st:], pos[rows, st:], rows, st)
+                                  for rows, st in groups], inverse)
+
         if s.recompute_logprobs:
-            logits = policy_logits(policy, input_ids, attn, pos, R, s.vocab_size)
-            logprobs, entropy = core.logprobs_and_entropy(logits, resp, temp)
-            del logits
-        ref_logits = reference_logits(policy, ref_model, input_ids, attn, pos, R, s.vocab_size)
-        # divided in place (the same numbers as passing the temperature): one (B, R, V) buffer less at the peak
-        ref_logprobs = core.logprobs_from_logits(ref_logits.div_(temp) if temp != 1.0 else ref_logits, resp, 1.0)
-        del ref_logits
-        values = response_slice(value_model(input_ids, attn, pos), R) if value_model is not None else None
+            logprobs, entropy = each(lambda ids, am, ps, rows, st: core.logprobs_and_entropy(
+                policy_logits(policy, ids, am, ps, R, s.vocab_size), resp[rows], temp))
+
+        def ref_logprobs_of(ids, am, ps, rows, st):
+            logits = reference_logits(policy, ref_model, ids, am, ps, R, s.vocab_size)
+            # divided in place (the same numbers as passing the temperature): one (b, R, V) buffer less at the peak
+            return core.logprobs_from_logits(logits.div_(temp) if temp != 1.0 else logits, resp[rows], 1.0)
+
+        ref_logprobs = each(ref_logprobs_of)
+        values = None
+        if value_model is not None:
+            values = each(lambda ids, am, ps, rows, st: response_slice(value_model(ids, am, ps), R))
         rm_scores = None
         if reward_model is not None:
             last = q_ids.shape[1] + core.last_token_index(rmask)
-            rm_scores = reward_model.score_at(input_ids, attn, pos, last)
+            rm_scores = each(lambda ids, am, ps, rows, st: reward_model.score_at(ids, am, ps, last[rows] - st))
         has_stop = torch.isin(resp, stop_t).any(-1) if stop_t is not None \
             else torch.zeros(resp.shape[0], dtype=torch.bool, device=device)
         texts = tok.batch_decode(resp, skip_special_tokens=True)

@@ -5,6 +5,7 @@ them is `rlhf_cli.ppo.experience.Experience`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -194,13 +195,25 @@ def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, sha
     return _draw(torch.softmax(scores, dim=-1))
 
 
+@functools.cache
+def weight_first_cpu() -> bool:
+    """Whether this CPU is of the kind `weight_first`'s rule was measured on: an Intel Xeon with AMX tiles."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
 def weight_first(rows: int, weight: torch.Tensor) -> bool:
     """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear asks
-    BLAS for). Measured on an Intel Xeon (1 thread, bench/linear_probe.py) for the sampling steps' few rows:
-    fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x at 8 rows), except weights under
+    BLAS for). Measured on an Intel Xeon with AMX (1 thread, bench/linear_probe.py) for the sampling steps' few
+    rows: fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x at 8 rows), except weights under
     1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16, 2-48 rows, 1.1-2.2x; from 64 rows the two are even
-    or F.linear wins. Sampling Qwen3-0.6B's shape (bench/sampling_probe.py): fp32 1.26x, bf16 1.09x."""
-    if weight.device.type != "cpu" or weight.dim() != 2:
+    or F.linear wins. Sampling Qwen3-0.6B's shape (bench/sampling_probe.py): fp32 1.26x, bf16 1.09x. On an AMD
+    EPYC (Zen 4, no AMX) the same probe found W·xᵀ slower at most of these sizes, so the rule applies only where
+    `weight_first_cpu` says the CPU is of the measured kind; elsewhere every layer keeps F.linear."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not weight_first_cpu():
         return False
     if weight.dtype == torch.bfloat16:
         return 2 <= rows <= 48
@@ -321,8 +334,9 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
             if keep_logits:
                 logits_steps.append(logits)
             raw = logits.float()
-            logp = torch.log_softmax(raw if score_temperature == 1.0 else raw / score_temperature, dim=-1)
-            p = logp.exp()
+            z = raw if score_temperature == 1.0 else raw / score_temperature
+            logp = torch.log_softmax(z, dim=-1)
+            p = torch.softmax(z, dim=-1)  # not logp.exp(): see core.logprobs_and_entropy
             entropies.append(-(p * logp).nansum(-1))
             masked = suppress if suppress is not None and t < min_new else None
             nxt = _choose(raw, p, masked, shared, sample, temperature, warpers)

@@ -41,15 +41,17 @@ def stop_ids(cfg, tok) -> tuple[int, ...]:
     return ()
 
 
-def sampling(cfg, tok, vocab_size: int, recompute: bool, evaluation: bool = False) -> Sampling:
+def sampling(cfg, tok, vocab_size: int, recompute: bool, evaluation: bool = False,
+             score_batch_size: int | None = None) -> Sampling:
     """PPO's sampling settings (`ppo.*`); with evaluation=True the length, temperature, top-k/p, greedy flag
-    and batch come from `eval.*` while the stop tokens stay PPO's."""
+    and batch come from `eval.*` while the stop tokens stay PPO's. score_batch_size: rows per scoring forward
+    (PPO: its micro-batch, what a forward of the update holds)."""
     p = cfg.eval if evaluation else cfg.ppo
     return Sampling(max_new_tokens=int(p.response_length), temperature=float(p.temperature),
                     pad_id=int(tok.pad_token_id), eos_id=int(tok.eos_token_id), stop_ids=stop_ids(cfg, tok),
                     top_k=int(p.top_k), top_p=float(p.top_p), greedy=bool(p.get("greedy", False)),
                     forward_batch_size=int(p.batch_size if evaluation else p.rollout_forward_batch_size),
-                    vocab_size=vocab_size, recompute_logprobs=recompute)
+                    vocab_size=vocab_size, recompute_logprobs=recompute, score_batch_size=score_batch_size)
 
 
 def recompute_logprobs(setting: str, compute_dtype) -> bool:
