@@ -445,9 +445,9 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                   "'Executed' counts the LoRA policy's backward as 2·N·tokens (the frozen base needs input "
                   "gradients only; the adapters' own FLOPs are < 1%). Attention score FLOPs (≈ 1.5% here), norms "
                   "and element-wise ops are not counted. Both sides are credited with the same count; rlhf skips "
-                  "the prompt padding that all rows of a micro-batch share (P ≈ 20 instead of 23.4 in the PPO "
-                  "epochs), so it executes about 3% fewer FLOPs than counted and its rate is that much "
-                  "overstated.", ""]
+                  "the prompt padding that all rows of a micro-batch share, in the PPO epochs and in scoring "
+                  "(rows grouped by prompt length in both: P ≈ 20 instead of 23.4), so it executes about 4% fewer "
+                  "FLOPs than counted and its rate is that much overstated.", ""]
     if learn:
         s = learn["summary"]
         st = learn["settings"]
