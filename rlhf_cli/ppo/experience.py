@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.rollout import generate_chunk, policy_logits, position_ids_from, response_slice
+from rlhf_cli.ppo.rollout import generate_chunk, padding_counts, policy_logits, position_ids_from, response_slice
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def score_groups(attention_mask: torch.Tensor, group: int | None) -> tuple[list[
     Returns [(rows, start)] and the permutation that puts the groups' concatenated outputs back in row order
     (None when the rows keep their order)."""
     B = attention_mask.shape[0]
-    lead = (attention_mask.cumsum(-1) == 0).sum(-1)
+    lead = padding_counts(attention_mask)
     if not group or group >= B:
         return [(slice(None), int(lead.min()))], None
     order = torch.sort(lead, stable=True).indices

@@ -80,6 +80,11 @@ def _vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
     return logits if vocab_size is None or vocab_size >= logits.shape[-1] else logits[..., :vocab_size]
 
 
+def padding_counts(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's number of leading padding columns (left-padded prompts)."""
+    return (attention_mask.cumsum(-1) == 0).sum(-1)
+
+
 def leading_padding(attention_mask: torch.Tensor, group: int) -> list[int]:
     """For each run of `group` consecutive rows: the number of leading columns that are padding in every row of
     the run (left-padded prompts of a micro-batch are often all shorter than the longest of the batch). Dropping

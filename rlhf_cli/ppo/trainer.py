@@ -29,7 +29,7 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint, core, rewards
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
-from rlhf_cli.ppo.rollout import leading_padding, policy_logits, response_slice
+from rlhf_cli.ppo.rollout import leading_padding, padding_counts, policy_logits, response_slice
 from rlhf_cli.ppo.sparse_rows import RowSparseEmbedding
 
 log = logging.getLogger("rlhf")
@@ -76,7 +76,7 @@ def by_padding(perm: torch.Tensor, attention_mask: torch.Tensor, mini_batch: int
     """`perm` with each mini-batch's rows stably ordered by their prompt's leading padding, so that consecutive
     micro-batches hold prompts of similar length and `leading_padding` can skip more columns. Which rows make a
     mini-batch (and so an optimizer step) stays random; only their grouping into micro-batches changes."""
-    lead = (attention_mask.cumsum(-1) == 0).sum(-1)[perm]
+    lead = padding_counts(attention_mask)[perm]
     chunks = [torch.sort(lead[i: i + mini_batch], stable=True).indices + i for i in range(0, perm.numel(), mini_batch)]
     return perm[torch.cat(chunks)]
 
