@@ -271,13 +271,13 @@ def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(m
     ids, mask = prompts()
     ids, mask = ids.repeat(6, 1)[:16], mask.repeat(6, 1)[:16]
     calls = []
-    real = ro._weight_first_linear
+    real = ro.linear
     monkeypatch.setattr(ro, "weight_first_cpu", lambda: True)  # the W·xᵀ path on any CPU
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ro, "_weight_first_linear", lambda self, x: calls.append(x.shape) or real(self, x))
+        mp.setattr(ro, "linear", lambda x, w, b=None: calls.append(x.shape) or real(x, w, b))
         torch.manual_seed(4)
         r = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=5), [], 0.7, keep_logits=True)
-    assert calls and all(s[0] * s[1] == 16 for s in calls)  # the steps only, not the prefill
+    assert calls and all(s[:-1].numel() == 16 for s in calls)  # the steps only, not the prefill
     assert all("forward" not in m.__dict__ for m in model.modules())  # put back
     full = torch.cat([ids, r["response"]], 1)
     am = torch.cat([mask, torch.ones_like(r["response"])], 1)
@@ -288,3 +288,86 @@ def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(m
     with ro.weight_first_linears(model):
         assert "forward" in lin.__dict__
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-6, rtol=1e-5)
+
+
+def _llama_like(kind: str):
+    """Tiny random decoders of the three kinds the one-token step supports (GQA, untied head; Qwen2 with biases)."""
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=PAD,
+                  eos_token_id=EOS, bos_token_id=2)
+    cfg = {"qwen3": lambda: tf.Qwen3Config(head_dim=8, **common), "qwen2": lambda: tf.Qwen2Config(**common),
+           "llama": lambda: tf.LlamaConfig(head_dim=4, attention_bias=True, **common)}[kind]()
+    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "llama": tf.LlamaForCausalLM}[kind]
+    torch.manual_seed(5)
+    m = cls(cfg).eval()
+    for p in m.parameters():  # biases and norm weights away from their 0 / 1 init, so each term shows
+        p.data.add_(torch.randn_like(p) * 0.2)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@torch.no_grad()
+def test_one_token_decoder_gives_the_stock_forward_logits(kind):
+    from rlhf_cli.ppo.decode import Decoder
+
+    m = _llama_like(kind)
+    ids, mask = prompts()
+    pos = ro.position_ids_from(mask)
+    caches = [ro.preallocated_cache(m, 16), ro.preallocated_cache(m, 16)]
+    logits = [m(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c, use_cache=True).logits[:, -1]
+              for c in caches]
+    step = Decoder.of(m, caches[1])
+    assert step is not None
+    for t in range(5):  # teacher-forced: both paths get the same next tokens
+        nxt = logits[0].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(nxt[:, None])], 1)
+        pos = pos[:, -1:] + 1
+        logits = [m(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=caches[0],
+                    use_cache=True).logits[:, -1], step(nxt, mask, pos)]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-5)
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] + 5
+
+
+@torch.no_grad()
+def test_sampling_with_and_without_the_one_token_decoder_draws_the_same(model, monkeypatch):
+    ids, mask = prompts()
+    runs = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(ro.Decoder, "of", classmethod(lambda cls, *a, **k: None))
+        torch.manual_seed(11)
+        runs.append(ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=6), [], 0.7, keep_logits=True))
+    assert torch.equal(runs[0]["response"], runs[1]["response"])
+    torch.testing.assert_close(runs[0]["logits"], runs[1]["logits"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(runs[0]["logprobs"], runs[1]["logprobs"], atol=1e-6, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_one_token_decoder_only_takes_plain_weights(model):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_cli.ppo.decode import Decoder
+
+    cache = ro.preallocated_cache(model, 8)
+    assert Decoder.of(model, cache) is not None
+    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                         task_type="CAUSAL_LM")).eval()
+    assert Decoder.of(pm, cache) is None  # an active adapter beside each weight: the stock forward
+    with ro.lora_merged(pm):
+        assert Decoder.of(pm, cache) is not None  # merged, adapter off: plain weights
+    with pm.disable_adapter():
+        assert Decoder.of(pm, cache) is not None
+    hooked = copy.deepcopy(model)
+    hooked.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: None)
+    assert Decoder.of(hooked, cache) is None  # hooks (offloading, ZeRO-3 gathering) must run: stock forward
+    windowed = copy.deepcopy(model)
+    windowed.config.layer_types = ["full_attention", "sliding_attention"]
+    assert Decoder.of(windowed, cache) is None
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32)).eval()
+    assert Decoder.of(gpt2, cache) is None

@@ -12,6 +12,7 @@ from torch import nn
 
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
+from rlhf_cli.ppo.decode import Decoder
 
 
 class TokenValueModel(nn.Module):
@@ -227,14 +228,19 @@ def weight_first(rows: int, weight: torch.Tensor) -> bool:
     return False
 
 
-def _weight_first_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed as W·xᵀ where `weight_first` says so."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not weight_first(rows, self.weight):
-        return nn.functional.linear(x, self.weight, self.bias)
-    y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
-    if self.bias is not None:
-        y = y + self.bias
-    return y.contiguous().view(*x.shape[:-1], self.weight.shape[0])
+    if not weight_first(rows, weight):
+        return nn.functional.linear(x, weight, bias)
+    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def _weight_first_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
@@ -333,9 +339,11 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     ones = torch.ones(B, 1, dtype=attn.dtype, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logprobs, entropies, logits_steps = [], [], [], []
+    step = Decoder.of(model, cache, linear)  # None: the steps go through the stock forward
+    last_logits = out.logits[:, -1, :]
     with weight_first_linears(model):
         for t in range(R):
-            logits = _vocab(out.logits[:, -1, :], vocab_size)
+            logits = _vocab(last_logits, vocab_size)
             if keep_logits:
                 logits_steps.append(logits)
             raw = logits.float()
@@ -355,8 +363,11 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
             if t == R - 1:
                 break
             attn = torch.cat([attn, ones], 1)
-            out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos, cache=cache,
-                        use_cache=True)
+            if step is not None:
+                last_logits = step(nxt, attn, next_pos)
+            else:
+                last_logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos, cache=cache,
+                                    use_cache=True).logits[:, -1, :]
             next_pos = next_pos + 1
     result = {"response": torch.stack(tokens, 1), "logprobs": torch.stack(logprobs, 1),
               "entropy": torch.stack(entropies, 1)}
