@@ -89,3 +89,71 @@ def test_other_inputs_and_other_formulas_keep_the_layer_forward():
 
     holder = nn.Sequential(OffsetRMSNorm())
     assert fused.fuse_rms_norms(holder) == 0 and "forward" not in holder[0].__dict__
+
+
+def test_lora_linear_by_hand():
+    x = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    w, a = torch.eye(2), torch.tensor([[1.0, 1.0]], requires_grad=True)
+    b = torch.tensor([[1.0], [0.0]], requires_grad=True)
+    y = fused.LoraLinearFunction.apply(x, w, None, a, b, 2.0)
+    # x·Wᵀ = [1, 2]; x·Aᵀ = 3; 2 · 3 · Bᵀ = [6, 0]
+    assert y.tolist() == [[7.0, 2.0]]
+    y.sum().backward()
+    # dy = [1, 1]: dh = 2 · dy·B = 2; dx = dy·W + dh·A = [1, 1] + [2, 2]; dA = dh·x = [2, 4]; dB = 2 · dyᵀ·h = [6, 6]
+    assert x.grad.tolist() == [[3.0, 3.0]] and a.grad.tolist() == [[2.0, 4.0]] and b.grad.tolist() == [[6.0], [6.0]]
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    m = get_peft_model(_tiny_qwen3(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                  task_type="CAUSAL_LM"))
+    for n, p in m.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.1)
+    return m.eval()
+
+
+def test_switched_lora_layers_give_peft_outputs_and_gradients():
+    from rlhf_cli.ppo import rollout
+
+    a = _lora_model()
+    b = copy.deepcopy(a)
+    assert fused.fuse_lora_linears(b) == 7 * 2 and fused.fuse_lora_linears(b) == 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    outs = []
+    for m in (a, b):
+        logits = m(input_ids=ids).logits
+        logits.pow(2).mean().backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-6, rtol=1e-5)
+    assert outs[0][1].keys() == outs[1][1].keys() and all(k.count("lora_") for k in outs[0][1])
+    for n, g in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][n], g, atol=1e-6, rtol=1e-4, msg=n)
+    with torch.no_grad():
+        # adapter off (the reference) and merged for sampling: PEFT's own paths, same numbers as the unswitched model
+        with a.disable_adapter():
+            ref_a = a(input_ids=ids).logits
+        with b.disable_adapter():
+            ref_b = b(input_ids=ids).logits
+        assert torch.equal(ref_a, ref_b) and not torch.allclose(ref_b, outs[1][0])
+        with rollout.lora_merged(b):
+            merged = b(input_ids=ids).logits
+        torch.testing.assert_close(merged, outs[1][0], atol=1e-5, rtol=1e-5)
+        # under autocast or in bf16 the layer runs PEFT's forward
+        layer = b.base_model.model.model.layers[0].mlp.up_proj
+        x = torch.randn(3, 16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x).dtype == torch.bfloat16
+
+
+def test_lora_layers_with_hooks_on_the_adapter_keep_peft_forward():
+    m = _lora_model()
+    fused.fuse_lora_linears(m)
+    layer = m.base_model.model.model.layers[0].self_attn.q_proj
+    assert fused._lora_parts(layer) is not None
+    seen = []
+    layer.lora_A["default"].register_forward_pre_hook(lambda mod, args: seen.append(1))
+    assert fused._lora_parts(layer) is None
+    layer(torch.randn(2, 16))
+    assert seen == [1]  # PEFT's forward called the adapter's layer, so its hook ran

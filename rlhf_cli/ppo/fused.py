@@ -1,4 +1,4 @@
-"""RMSNorm in one kernel on a CPU: the models' own norm layers, same numbers, fewer passes over memory.
+"""Fewer passes over memory for two building blocks on a CPU, same numbers: RMSNorm layers and LoRA linear layers.
 
 A Llama-style norm layer (Qwen3: 4 per decoder layer, q/k norms included) computes `w · x / rms(x)` in six
 tensor operations forward and about a dozen in its autograd backward. Measured on the mid workload (1 thread,
@@ -9,10 +9,17 @@ backward below is the closed form
     x̂ = x·r,  r = (mean(x²) + ε)^-½,  y = w ⊙ x̂
     ∂L/∂x = r · (g⊙w) − x · r³ · mean((g⊙w) ⊙ x)        ∂L/∂w = Σ_rows g ⊙ x̂
 
-in four passes over x (three without the weight's gradient). `fuse_rms_norms` switches a model's norm layers to
+in five passes over x, two of them matrix-vector products (four without the weight's gradient). `fuse_rms_norms` switches a model's norm layers to
 it for fp32 CPU inputs only; any other input runs the layer's own forward. A layer is switched only when its own
 forward gives the same output as the fused one on a probe input (so a norm of another formula, such as Gemma's
 1 + w, is left alone).
+
+A PEFT LoRA linear layer computes `base(x) + B(A(x)) · s`: the scaling and the sum are two more passes over the
+(tokens, out) output forward, and autograd adds a scaling pass and a sum of the two input gradients backward.
+`LoraLinearFunction` puts the scaled low-rank term into the base product's output (one addmm) and the two input
+gradients into one buffer (mm, then addmm), the weight gradients being the same products as autograd's.
+`fuse_lora_linears` switches plain LoRA layers to it (one active adapter, no variant, no dropout at work, fp32 CPU
+input, no autocast, no hooks on the adapter's own layers); anything else runs PEFT's forward.
 """
 
 from __future__ import annotations
@@ -33,13 +40,13 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, rstd, w = ctx.saved_tensors
-        gw = g * w
-        dot = (gw * x).sum(-1, keepdim=True)
-        dx = torch.addcmul(gw.mul_(rstd), x, rstd.pow(3).mul_(dot).div_(x.shape[-1]), value=-1)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (g * x).mul_(rstd).reshape(-1, x.shape[-1]).sum(0)
-        return dx, dw, None
+        d = x.shape[-1]
+        gx = (g * x).reshape(-1, d)
+        r = rstd.reshape(-1)
+        c = r.pow(3).mul_(torch.mv(gx, w)).div_(d)  # r³ · mean((g⊙w) ⊙ x) per row, the sum as a matrix-vector product
+        dx = (g * w).mul_(rstd).reshape(-1, d).addcmul_(x.reshape(-1, d), c[:, None], value=-1)
+        dw = torch.mv(gx.t(), r) if ctx.needs_input_grad[1] else None  # Σ_rows g ⊙ x · r
+        return dx.reshape(x.shape), dw, None
 
 
 def _eps(module) -> float | None:
@@ -100,5 +107,79 @@ def fuse_rms_norms(model: nn.Module) -> int:
             verdict[key] = _agrees(m)
         if verdict[key]:
             m.forward = _fused_forward.__get__(m)
+            n += 1
+    return n
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ with W, b frozen; gradients for x, A, B."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = torch.mm(x2, lora_a.t())
+        y = torch.nn.functional.linear(x2, weight, bias)
+        y.addmm_(h, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, h, weight, lora_a, lora_b)
+        ctx.scaling, ctx.shape = scaling, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, h, weight, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.scaling
+        g = gy.reshape(-1, gy.shape[-1])
+        gh = torch.mm(g, lora_b).mul_(s)  # (tokens, r)
+        gx = ga = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.mm(g, weight).addmm_(gh, lora_a).view(ctx.shape)
+        if ctx.needs_input_grad[3]:
+            ga = torch.mm(gh.t(), x2)
+        if ctx.needs_input_grad[4]:
+            gb = torch.mm(g.t(), h).mul_(s)
+        return gx, None, None, ga, gb, None
+
+
+def _lora_parts(layer):
+    """(W, b, A, B, scaling) of a plain LoRA linear layer in its current state, or None."""
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return None
+    active = list(getattr(layer, "active_adapters", []))
+    if len(active) != 1 or active[0] not in layer.lora_A or active[0] in getattr(layer, "lora_variant", {}):
+        return None
+    name = active[0]
+    drop = layer.lora_dropout[name]
+    a, b = layer.lora_A[name], layer.lora_B[name]
+    if not (isinstance(drop, nn.Identity) or not drop.training) or type(a) is not nn.Linear or \
+            type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (a, b, layer.base_layer)):
+        return None
+    base = layer.base_layer
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return None
+    return base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name])
+
+
+def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    parts = None if args or kwargs else _lora_parts(self)
+    if parts is not None and x.dtype is torch.float32 and x.device.type == "cpu" and \
+            not torch.is_autocast_enabled("cpu") and all(t.dtype is torch.float32 for t in parts[:4] if t is not None):
+        w, b, a, bw, s = parts
+        return LoraLinearFunction.apply(x, w, b, a, bw, s)
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+def fuse_lora_linears(model: nn.Module) -> int:
+    """Switch the model's PEFT LoRA linear layers (over an `nn.Linear`) to `LoraLinearFunction` where it applies
+    at call time; returns how many were switched. Idempotent."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft without LoRA
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is LoraLinear and isinstance(m.base_layer, nn.Linear) and "forward" not in m.__dict__:
+            m.forward = _fused_lora_forward.__get__(m)
             n += 1
     return n
