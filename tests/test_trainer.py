@@ -119,6 +119,21 @@ def test_score_groups_order_rows_by_padding_and_put_them_back():
     assert whole == slice(None) and st == 0 and none is None and score_groups(mask, 6)[1] is None
 
 
+def test_scoring_groups_only_where_the_chunk_logits_are_large(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.ppo import config as ppo_config
+    from rlhf_cli.stages._sampling import score_batch_size
+
+    cfg = OmegaConf.create({"ppo": {"rollout_forward_batch_size": 8, "response_length": 32}})
+    # Qwen3-0.6B's tokenizer: 8 x 32 x 151,669 x 4 bytes = 155 MB > 64 MiB: the micro-batch of 2
+    assert score_batch_size(cfg, 2, 151_669) == 2
+    # the bench's small vocabulary: 8 x 32 x 1,500 x 4 = 1.5 MB: one forward per chunk
+    assert score_batch_size(cfg, 2, 1_500) is None
+    monkeypatch.setattr(ppo_config, "SCORE_GROUPS_FROM_BYTES", 8 * 32 * 1_500 * 4 - 1)
+    assert score_batch_size(cfg, 2, 1_500) == 2
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_scoring_in_groups_gives_the_scores_of_one_forward(base, tok, recompute):
     """Scoring forwards over groups of rows of similar prompt length (their shared padding skipped) read the

@@ -54,6 +54,17 @@ def sampling(cfg, tok, vocab_size: int, recompute: bool, evaluation: bool = Fals
                     vocab_size=vocab_size, recompute_logprobs=recompute, score_batch_size=score_batch_size)
 
 
+def score_batch_size(cfg, micro_batch: int, vocab_size: int) -> int | None:
+    """Rows per scoring forward in PPO: its micro-batch (rows grouped by prompt length, each group's shared padding
+    skipped) where a forward over the whole rollout chunk would hold over SCORE_GROUPS_FROM_BYTES of fp32 logits;
+    otherwise None, one forward per chunk (for small logits the extra forwards cost more than the padding saves)."""
+    from rlhf_cli.ppo.config import SCORE_GROUPS_FROM_BYTES
+
+    p = cfg.ppo
+    logits = int(p.rollout_forward_batch_size) * int(p.response_length) * int(vocab_size) * 4
+    return int(micro_batch) if logits > SCORE_GROUPS_FROM_BYTES else None
+
+
 def recompute_logprobs(setting: str, compute_dtype) -> bool:
     """`ppo.recompute_logprobs`: auto recomputes when compute is not fp32 (the incremental sampling forward and
     the full training forward disagree there); in fp32 they agree to ~1e-6 and the sampling pass is reused."""

@@ -54,8 +54,9 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     # ---- models, sampling, the run directory, the trainer
     models = build_ppo_models(cfg, tok, acc.device, storage)
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
-    sampling = _sampling.sampling(cfg, tok, check_vocab(tok, models.policy, policy_dir), recompute,
-                                  score_batch_size=sizes.micro_batch_size)
+    vocab = check_vocab(tok, models.policy, policy_dir)
+    sampling = _sampling.sampling(cfg, tok, vocab, recompute,
+                                  score_batch_size=_sampling.score_batch_size(cfg, sizes.micro_batch_size, vocab))
     out = Path(p.output_dir)
     if acc.is_main_process:
         checkpoint.work_dir(out, bool(p.resume))
