@@ -445,9 +445,10 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                   "'Executed' counts the LoRA policy's backward as 2·N·tokens (the frozen base needs input "
                   "gradients only; the adapters' own FLOPs are < 1%). Attention score FLOPs (≈ 1.5% here), norms "
                   "and element-wise ops are not counted. Both sides are credited with the same count; rlhf skips "
-                  "the prompt padding that all rows of a micro-batch share, in the PPO epochs and in scoring "
-                  "(rows grouped by prompt length in both: P ≈ 20 instead of 23.4), so it executes about 4% fewer "
-                  "FLOPs than counted and its rate is that much overstated.", ""]
+                  "the prompt padding that all rows of a forward share: in the PPO epochs micro-batches of rows "
+                  "grouped by prompt length (P ≈ 20 instead of 23.4), in scoring the padding all 32 rows share "
+                  "(at this vocabulary scoring runs one forward per chunk), so it executes up to 4% fewer FLOPs "
+                  "than counted and its rate is up to that much overstated.", ""]
     if learn:
         s = learn["summary"]
         st = learn["settings"]

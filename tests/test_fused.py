@@ -127,6 +127,8 @@ def test_switched_lora_layers_give_peft_outputs_and_gradients():
         logits.pow(2).mean().backward()
         outs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-6, rtol=1e-5)
+    q = b.base_model.model.model.layers[0].self_attn.q_proj
+    assert "LoraLinearFunction" in type(q(torch.randn(3, 16)).grad_fn).__name__  # the switched path ran
     assert outs[0][1].keys() == outs[1][1].keys() and all(k.count("lora_") for k in outs[0][1])
     for n, g in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][n], g, atol=1e-6, rtol=1e-4, msg=n)
@@ -140,8 +142,15 @@ def test_switched_lora_layers_give_peft_outputs_and_gradients():
         with rollout.lora_merged(b):
             merged = b(input_ids=ids).logits
         torch.testing.assert_close(merged, outs[1][0], atol=1e-5, rtol=1e-5)
-        # under autocast or in bf16 the layer runs PEFT's forward
+        # without gradients the layer runs PEFT's forward, which calls its base layer's own forward (the sampling
+        # steps' W·xᵀ switch acts there)
         layer = b.base_model.model.model.layers[0].mlp.up_proj
+        seen = []
+        hook = layer.base_layer.register_forward_hook(lambda mod, args, out: seen.append(1))
+        layer(torch.randn(3, 16))
+        hook.remove()
+        assert seen == [1]
+        # under autocast or in bf16, PEFT's forward too
         x = torch.randn(3, 16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert layer(x).dtype == torch.bfloat16

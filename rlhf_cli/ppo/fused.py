@@ -19,7 +19,7 @@ A PEFT LoRA linear layer computes `base(x) + B(A(x)) · s`: the scaling and the 
 `LoraLinearFunction` puts the scaled low-rank term into the base product's output (one addmm) and the two input
 gradients into one buffer (mm, then addmm), the weight gradients being the same products as autograd's.
 `fuse_lora_linears` switches plain LoRA layers to it (one active adapter, no variant, no dropout at work, fp32 CPU
-input, no autocast, no hooks on the adapter's own layers); anything else runs PEFT's forward.
+input, gradients enabled, no autocast, no hooks on the adapter's own layers); anything else runs PEFT's forward.
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ def _lora_parts(layer):
 
 
 def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    parts = None if args or kwargs else _lora_parts(self)
+    # Without gradients (sampling, scoring) PEFT's forward runs: it calls the base layer's own forward, which the
+    # sampling steps switch to W·xᵀ (rollout.weight_first_linears); the function saves passes only backward.
+    parts = None if args or kwargs or not torch.is_grad_enabled() else _lora_parts(self)
     if parts is not None and x.dtype is torch.float32 and x.device.type == "cpu" and \
             not torch.is_autocast_enabled("cpu") and all(t.dtype is torch.float32 for t in parts[:4] if t is not None):
         w, b, a, bw, s = parts
