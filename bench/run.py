@@ -3,7 +3,7 @@
     .venv/bin/python bench/run.py            # tiny, mini, mid, small (about 40 min on a quiet 2-core box, 1 thread)
     .venv/bin/python bench/run.py --quick    # smoke run: 1 repetition, few updates, results in bench/work/
     .venv/bin/python bench/run.py --only speed --workloads tiny --reps 5
-    .venv/bin/python bench/run.py --real     # `make bench-real`: Qwen3-0.6B's shape, LoRA, fp32 and bf16 (~50 min)
+    .venv/bin/python bench/run.py --real     # `make bench-real`: Qwen3-0.6B's shape, LoRA, fp32 and bf16 (bf16 only on CPUs with bf16 units)
     .venv/bin/python bench/run.py --report-only   # rebuild bench/results/README.md from the JSON files
 
 What it does, in order:
@@ -224,7 +224,12 @@ def real(args, work: Path, logfile: Path) -> list[dict]:
     runs = []
     mm = [matmul_rate(args.threads, d) for d in ("float32", "bfloat16")]
     log("matmul: " + ", ".join(f"{m['dtype']} {m['gflops']} GFLOP/s" for m in mm))
-    for precision in args.precisions:
+    skipped = {}
+    why = bf16_unfit(mm)
+    if why and "bf16" in args.precisions:
+        skipped["bf16"] = why
+        log(f"real bf16 not run: {why}")
+    for precision in [p for p in args.precisions if p not in skipped]:
         for rep in range(args.rep_start, args.rep_start + args.reps):
             for side in args.sides:
                 settle_page_cache()  # the previous run's 15 GB leave no trace in the next one's page faults
@@ -239,7 +244,23 @@ def real(args, work: Path, logfile: Path) -> list[dict]:
     meta = json.loads((work / "real" / "workload.json").read_text())
     flops = real_flops(meta, mean_padded_prompt(work / "real", batch=shape["episodes_per_update"]),
                        shape["response_length"], shape["episodes_per_update"])
-    return runs, {"matmul": mm, "flops": flops}
+    return runs, {"matmul": mm, "flops": flops, "skipped": skipped}
+
+
+BF16_MIN_SHARE = 0.25  # bf16 matmuls below this share of the fp32 rate: the CPU has no bf16 units
+
+
+def bf16_unfit(mm: list[dict]) -> str | None:
+    """Why the bf16 runs would not measure either side's PPO (None where they would): on a CPU without bf16 units
+    (AVX2 only: no AVX512-BF16, no AMX) torch's bf16 matmuls run tens of times below the fp32 rate, so a bf16 run
+    takes hours and times the missing hardware, not the implementation."""
+    rate = {m["dtype"]: m["gflops"] for m in mm}
+    f32, b16 = rate.get("float32"), rate.get("bfloat16")
+    if not f32 or b16 is None or b16 >= BF16_MIN_SHARE * f32:
+        return None
+    return (f"this CPU has no bf16 matmul units: bf16 {b16:g} vs fp32 {f32:g} GFLOP/s at 1 thread "
+            f"({f32 / b16:.0f}x slower), so a bf16 run would take hours and time the missing units; run "
+            "`make bench-real` on a CPU with AVX512-BF16 or AMX for the bf16 pairs")
 
 
 # --------------------------------------------------------------------------------------------- roofline
@@ -449,6 +470,8 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                   "grouped by prompt length (P ≈ 20 instead of 23.4), in scoring the padding all 32 rows share "
                   "(at this vocabulary scoring runs one forward per chunk), so it executes up to 4% fewer FLOPs "
                   "than counted and its rate is up to that much overstated.", ""]
+    for precision, why in ((real_res or {}).get("skipped") or {}).items():
+        rows.append((f"real lora {precision}: rlhf ≥ 1.3× TRL 1.12, peak RSS ≤ 0.8× TRL's", f"not run: {why}", None))
     if learn:
         s = learn["summary"]
         st = learn["settings"]
@@ -534,6 +557,8 @@ def real_section(res: dict) -> list[str]:
             L.append(f"| {g['precision']} | {side_name(side)} | {x['precision_detail']} | {fmt3(x['eps'], 4)} | "
                      f"{fmt3(x['tokens_per_s'])} | {fmt3(x['s_per_update'], 1)} | {fmt3(x['peak_rss_mb'], 0)} | "
                      f"{', '.join(phases) or 'n/a'} | {x['eps']['n']} |")
+    for precision, why in (res.get("skipped") or {}).items():
+        L += ["", f"{precision}: not run here: {why}."]
     L += ["", "Ratios rlhf / TRL per neighbouring pair (min / **median** / max):", "",
           "| precision | eps ratio | eps ratio on CPU time | peak RSS ratio | pairs |", "|---|---|---|---|---|"]
     for g in res["groups"].values():
@@ -640,6 +665,8 @@ def targets(speed_res: dict | None, learn: dict | None, real_res: dict | None = 
             rows.append((f"{name}: rlhf ≥ 1.3× TRL 1.12 episodes/s", f"{m:.2f}× (median pair)", m >= 1.3))
         if r is not None:
             rows.append((f"{name}: peak RSS ≤ 0.8× TRL's", f"{r:.3f} (median pair)", r <= 0.8))
+    for precision, why in ((real_res or {}).get("skipped") or {}).items():
+        rows.append((f"real lora {precision}: rlhf ≥ 1.3× TRL 1.12, peak RSS ≤ 0.8× TRL's", f"not run: {why}", None))
     if learn:
         s = learn["summary"]
         rows.append(("demo: rlhf RM score gain ≥ TRL's at equal episodes (held-out, over SFT)",

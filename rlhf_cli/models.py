@@ -83,7 +83,31 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     compute = resolve_compute_dtype(cfg.device.get("mixed_precision"), acc)
     if compute is None and storage != torch.float32:
         compute = storage  # bf16/fp16 weights cannot meet fp32 activations in a matmul: autocast at their dtype
+    if acc == "cpu" and compute == torch.bfloat16 and cpu_bf16_native() is False:
+        _warn_once("cpu-bf16", f"bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX) "
+                   "runs its matmuls without bf16 units, ~75x slower than fp32 (one AVX2 core, 1024x1024); "
+                   "for CPU runs set model.dtype=float32 device.mixed_precision=no")
     return storage, compute
+
+
+def cpu_bf16_native() -> bool | None:
+    """Whether this CPU has bf16 matmul units torch uses (AVX512-BF16 or AMX tiles); None if torch cannot say."""
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if not all(callable(f) for f in probes):
+        return None
+    try:
+        return any(bool(f()) for f in probes)
+    except RuntimeError:
+        return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(msg)
 
 
 # -------------------------------------------------------------------------------------------------- sources

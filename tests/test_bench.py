@@ -40,3 +40,25 @@ def test_rlhf_side_one_update_on_tiny_workload(tmp_path):
     assert r["trainable_params"] > 0
     # the prepared inputs stay in the workload directory for later runs
     assert (wdir / "rlhf_policy" / "tokenizer.json").exists() and (wdir / "rlhf_prompts.jsonl").exists()
+
+
+def _bench_run():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_real_bf16_skipped_without_bf16_units():
+    """bench-real's bf16 pairs run only where bf16 matmuls keep at least a quarter of the fp32 rate; otherwise the
+    reason, with both rates, goes into the targets table as not run (neither met nor failed)."""
+    run = _bench_run()
+    mm = lambda f32, b16: [{"dtype": "float32", "gflops": f32}, {"dtype": "bfloat16", "gflops": b16}]  # noqa: E731
+    assert run.bf16_unfit(mm(150.0, 300.0)) is None  # AMX: bf16 faster
+    assert run.bf16_unfit(mm(150.0, 40.0)) is None  # at the threshold's side that still runs
+    why = run.bf16_unfit(mm(49.0, 0.64))
+    assert "0.64 vs fp32 49" in why and "77x slower" in why
+    rows = run.targets(None, None, {"groups": {}, "skipped": {"bf16": why}})
+    assert rows == [("real lora bf16: rlhf ≥ 1.3× TRL 1.12, peak RSS ≤ 0.8× TRL's", f"not run: {why}", None)]

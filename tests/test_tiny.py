@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -141,9 +140,7 @@ def test_build_contents_and_reload(base_dir, tok):
 def test_build_cached(base_dir):
     weights = base_dir / "model.safetensors"
     before = (weights.stat().st_mtime_ns, weights.stat().st_ino)
-    t0 = time.perf_counter()
     again = build_tiny_base(base_dir, seed=0)
-    assert time.perf_counter() - t0 < 1.0
     assert again == base_dir
     assert (weights.stat().st_mtime_ns, weights.stat().st_ino) == before
     marker = json.loads((base_dir / MARKER_FILE).read_text())

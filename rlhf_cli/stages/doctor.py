@@ -54,6 +54,10 @@ def devices() -> dict:
     except ImportError:
         return info
     info["torch_cuda"] = torch.version.cuda
+    from rlhf_cli.models import cpu_bf16_native
+
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["cpu_bf16"] = cpu_bf16_native()
     if torch.cuda.is_available():
         info["cuda"] = True
         info["bf16"] = torch.cuda.is_bf16_supported()
@@ -239,8 +243,10 @@ def report(cfg) -> str:
         why = ("torch built without CUDA" if dev["torch_cuda"] is None
                else f"torch built for CUDA {dev['torch_cuda']}")
         lines.append(f"  CUDA: not available ({why}); bf16 training needs a GPU here")
-    lines.append(f"  CPU: {dev['cpu_count']} cores, RAM {M.fmt_bytes(dev['ram_available'])} available of "
-                 f"{M.fmt_bytes(dev['ram_total'])}")
+    bf16 = {True: "bf16 units (AVX512-BF16 / AMX)", False: "no bf16 units: use fp32 on the CPU",
+            None: "bf16 units unknown"}[dev.get("cpu_bf16")]
+    lines.append(f"  CPU: {dev['cpu_count']} cores ({dev.get('cpu_capability', '?')}, {bf16}), RAM "
+                 f"{M.fmt_bytes(dev['ram_available'])} available of {M.fmt_bytes(dev['ram_total'])}")
     hub_thread.join(timeout + 0.5)
     lines.append(f"hubs (one connection each, {timeout:g} s timeout)")
     for name in _hosts():
