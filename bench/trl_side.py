@@ -329,7 +329,7 @@ def main(argv=None) -> int:
         "response_length": a.response_length,
         "response_tokens": episodes * a.response_length,
         "train_s": round(train_s, 4),
-        "eps": round(episodes / train_s, 3),
+        "eps": round(episodes / train_s, 6),
         "tokens_per_s": round(episodes * a.response_length / train_s, 2),
         "s_per_update": s_per_update,
         "split_s": split,

@@ -62,3 +62,20 @@ def test_real_bf16_skipped_without_bf16_units():
     assert "0.64 vs fp32 49" in why and "77x slower" in why
     rows = run.targets(None, None, {"groups": {}, "skipped": {"bf16": why}})
     assert rows == [("real lora bf16: rlhf ≥ 1.3× TRL 1.12, peak RSS ≤ 0.8× TRL's", f"not run: {why}", None)]
+
+
+def test_report_renders_a_real_run_with_bf16_skipped():
+    """The whole report (speed, roofline, learning and a real run whose bf16 pairs were skipped) renders from
+    result files shaped as bench/run.py writes them: the skip reason and the fp32 ratio rows appear."""
+    run = _bench_run()
+    results = BENCH / "results"
+    load = lambda n: json.loads((results / n).read_text()) if (results / n).exists() else None  # noqa: E731
+    real = load("real.json")
+    if real is None:
+        pytest.skip("no bench/results/real.json")
+    real = {**real, "skipped": {"bf16": run.bf16_unfit([{"dtype": "float32", "gflops": 64.0},
+                                                        {"dtype": "bfloat16", "gflops": 1.3}])}}
+    md = run.markdown(load("speed.json"), load("roofline.json"), load("learning.json"), {"threads": 1}, real)
+    assert "bf16: not run here: this CPU has no bf16 matmul units" in md
+    assert "| real lora bf16: rlhf ≥ 1.3× TRL 1.12, peak RSS ≤ 0.8× TRL's | not run: " in md
+    assert "real lora fp32: rlhf ≥ 1.3× TRL 1.12 episodes/s" in md
