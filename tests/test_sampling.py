@@ -256,13 +256,21 @@ def test_preallocated_cache_gives_the_stock_cache_logits(model, monkeypatch):
 
 def test_weight_first_rule(monkeypatch):
     w32, big32 = torch.zeros(64, 64), torch.zeros(1024, 1024)
-    monkeypatch.setattr(ro, "weight_first_cpu", lambda: True)
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: "amx")
     assert ro.weight_first(16, w32) and ro.weight_first(48, w32) and not ro.weight_first(64, w32)
     assert not ro.weight_first(8, w32) and ro.weight_first(8, big32) and not ro.weight_first(4, big32)
     assert ro.weight_first(2, w32.bfloat16()) and not ro.weight_first(16, w32.half())
+    # Zen 2: fp32 only, weights of 2 M values and more (Qwen3-0.6B's MLP, LM head), 4-16 rows
+    head, mlp = torch.zeros(1, 1).expand(151936, 1024), torch.zeros(1, 1).expand(3072, 1024)
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: "zen2")
+    assert all(ro.weight_first(r, w) for r in (4, 8, 16) for w in (head, mlp))
+    assert not any(ro.weight_first(r, w) for r in (2, 32) for w in (head, mlp))
+    assert not any(ro.weight_first(r, w) for r in (4, 8, 16) for w in (w32, big32, mlp.bfloat16()))
     # on a CPU it was not measured on, never
-    monkeypatch.setattr(ro, "weight_first_cpu", lambda: False)
-    assert not any(ro.weight_first(r, w) for r in (2, 8, 16, 48) for w in (w32, big32, w32.bfloat16()))
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: None)
+    assert not any(ro.weight_first(r, w) for r in (2, 8, 16, 48) for w in (w32, big32, w32.bfloat16(), head))
+    monkeypatch.undo()
+    assert ro.weight_first_cpu() in ("amx", "zen2", None)
 
 
 @torch.no_grad()
@@ -272,7 +280,7 @@ def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(m
     ids, mask = ids.repeat(6, 1)[:16], mask.repeat(6, 1)[:16]
     calls = []
     real = ro.linear
-    monkeypatch.setattr(ro, "weight_first_cpu", lambda: True)  # the W·xᵀ path on any CPU
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: "amx")  # the W·xᵀ path on any CPU
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ro, "linear", lambda x, w, b=None: calls.append(x.shape) or real(x, w, b))
         torch.manual_seed(4)

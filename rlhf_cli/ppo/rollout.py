@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -202,29 +203,46 @@ def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, sha
 
 
 @functools.cache
-def weight_first_cpu() -> bool:
-    """Whether this CPU is of the kind `weight_first`'s rule was measured on: an Intel Xeon with AMX tiles."""
+def weight_first_cpu() -> str | None:
+    """The kind of CPU `weight_first`'s rules were measured on that this one is: "amx" (an Intel Xeon with AMX
+    tiles), "zen2" (AMD family 23: Zen / Zen 2, AVX2), or None (any other: every layer keeps F.linear)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     try:
-        return bool(probe()) if probe is not None else False
+        if probe is not None and probe():
+            return "amx"
     except RuntimeError:
-        return False
+        pass
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "23":
+        return "zen2"
+    return None
 
 
 def weight_first(rows: int, weight: torch.Tensor) -> bool:
     """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear asks
-    BLAS for). Measured on an Intel Xeon with AMX (1 thread, bench/linear_probe.py) for the sampling steps' few
-    rows: fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x at 8 rows), except weights under
-    1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16, 2-48 rows, 1.1-2.2x; from 64 rows the two are even
-    or F.linear wins. Sampling Qwen3-0.6B's shape (bench/sampling_probe.py): fp32 1.26x, bf16 1.09x. On an AMD
-    EPYC (Zen 4, no AMX) the same probe found W·xᵀ slower at most of these sizes, so the rule applies only where
-    `weight_first_cpu` says the CPU is of the measured kind; elsewhere every layer keeps F.linear."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not weight_first_cpu():
+    BLAS for), by rules measured per CPU kind with bench/linear_probe.py (1 thread) for the sampling steps' few
+    rows. Intel Xeon with AMX: fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x at 8 rows),
+    except weights under 1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16, 2-48 rows, 1.1-2.2x; from 64
+    rows the two are even or F.linear wins (sampling Qwen3-0.6B's shape, bench/sampling_probe.py: fp32 1.26x,
+    bf16 1.09x). AMD EPYC Zen 2 (AVX2), fp32: Qwen3-0.6B's layers of 2 M values and more 1.1-1.2x at 8 rows,
+    1.3-1.8x at 16, 1.6-2.4x at 4, its 151,936 x 1,024 LM head 2.0x at 8 rows; 1024 x 1024 even at 8 rows; every
+    bench mid / small shape (under 1 M values) 0.6-0.75x at 8 rows, even from 16; 2 rows 0.6-0.8x. An AMD EPYC
+    Zen 4 found W·xᵀ slower at most of these sizes: CPUs of other kinds keep F.linear for every layer."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if weight.dtype == torch.bfloat16:
-        return 2 <= rows <= 48
-    if weight.dtype == torch.float32:
-        return 16 <= rows <= 48 or (8 <= rows <= 48 and weight.numel() >= 2**20)
+    kind = weight_first_cpu()
+    if kind == "amx":
+        if weight.dtype == torch.bfloat16:
+            return 2 <= rows <= 48
+        if weight.dtype == torch.float32:
+            return 16 <= rows <= 48 or (8 <= rows <= 48 and weight.numel() >= 2**20)
+    if kind == "zen2" and weight.dtype == torch.float32:
+        return 4 <= rows <= 16 and weight.numel() >= 2**21
     return False
 
 
