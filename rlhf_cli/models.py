@@ -92,13 +92,10 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
 
 def cpu_bf16_native() -> bool | None:
     """Whether this CPU has bf16 matmul units torch uses (AVX512-BF16 or AMX tiles); None if torch cannot say."""
-    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if not all(callable(f) for f in probes):
-        return None
-    try:
-        return any(bool(f()) for f in probes)
-    except RuntimeError:
-        return None
+    from rlhf_cli.ppo.rollout import cpu_flag
+
+    flags = [cpu_flag(n) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return None if None in flags else any(flags)
 
 
 _WARNED: set[str] = set()

@@ -202,22 +202,29 @@ def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, sha
     return _draw(torch.softmax(scores, dim=-1))
 
 
+def cpu_flag(name: str) -> bool | None:
+    """One of torch.cpu's feature probes (`_is_amx_tile_supported`, `_is_avx512_bf16_supported`, ...); None where
+    this torch has no such probe or it cannot answer."""
+    probe = getattr(torch.cpu, name, None)
+    if not callable(probe):
+        return None
+    try:
+        return bool(probe())
+    except RuntimeError:
+        return None
+
+
 @functools.cache
 def weight_first_cpu() -> str | None:
     """The kind of CPU `weight_first`'s rules were measured on that this one is: "amx" (an Intel Xeon with AMX
     tiles), "zen2" (AMD family 23: Zen / Zen 2, AVX2), or None (any other: every layer keeps F.linear)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        if probe is not None and probe():
-            return "amx"
-    except RuntimeError:
-        pass
+    if cpu_flag("_is_amx_tile_supported"):
+        return "amx"
     try:
         info = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return None
-    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines()[:40] if ":" in ln)}
     if fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "23":
         return "zen2"
     return None
