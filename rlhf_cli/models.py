@@ -85,7 +85,7 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
         compute = storage  # bf16/fp16 weights cannot meet fp32 activations in a matmul: autocast at their dtype
     if acc == "cpu" and compute == torch.bfloat16 and cpu_bf16_native() is False:
         _warn_once("cpu-bf16", f"bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX) "
-                   "runs its matmuls without bf16 units, ~75x slower than fp32 (one AVX2 core, 1024x1024); "
+                   "runs its matmuls without bf16 units, 49-98x slower than fp32 (make bench-real, one AVX2 core); "
                    "for CPU runs set model.dtype=float32 device.mixed_precision=no")
     return storage, compute
 
