@@ -84,14 +84,16 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     if compute is None and storage != torch.float32:
         compute = storage  # bf16/fp16 weights cannot meet fp32 activations in a matmul: autocast at their dtype
     if acc == "cpu" and compute == torch.bfloat16 and cpu_bf16_native() is False:
-        _warn_once("cpu-bf16", f"bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX) "
-                   "runs its matmuls without bf16 units, 49-98x slower than fp32 (make bench-real, one AVX2 core); "
-                   "for CPU runs set model.dtype=float32 device.mixed_precision=no")
+        cap = torch.backends.cpu.get_cpu_capability()
+        _warn_once("cpu-bf16", f"bf16 on this CPU ({cap}, no AVX512-BF16 or AMX) runs its matmuls without "
+                   "bf16 units, 49-98x slower than fp32 (make bench-real, one AVX2 core); for CPU runs set "
+                   "model.dtype=float32 device.mixed_precision=no")
     return storage, compute
 
 
 def cpu_bf16_native() -> bool | None:
-    """Whether this CPU has bf16 matmul units torch uses (AVX512-BF16 or AMX tiles); None if torch cannot say."""
+    """Whether this CPU has bf16 matmul units torch uses (AVX512-BF16 or AMX tiles); None if torch cannot
+    say."""
     from rlhf_cli.ppo.rollout import cpu_flag
 
     flags = [cpu_flag(n) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]

@@ -203,8 +203,8 @@ def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, sha
 
 
 def cpu_flag(name: str) -> bool | None:
-    """One of torch.cpu's feature probes (`_is_amx_tile_supported`, `_is_avx512_bf16_supported`, ...); None where
-    this torch has no such probe or it cannot answer."""
+    """One of torch.cpu's feature probes (`_is_amx_tile_supported`, `_is_avx512_bf16_supported`, ...); None
+    where this torch has no such probe or it cannot answer."""
     probe = getattr(torch.cpu, name, None)
     if not callable(probe):
         return None
@@ -224,22 +224,24 @@ def weight_first_cpu() -> str | None:
         info = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return None
-    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines()[:40] if ":" in ln)}
+    pairs = (ln.split(":", 1) for ln in info.splitlines()[:40] if ":" in ln)  # the first processor's fields
+    fields = {k.strip(): v.strip() for k, v in pairs}
     if fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "23":
         return "zen2"
     return None
 
 
 def weight_first(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear asks
-    BLAS for), by rules measured per CPU kind with bench/linear_probe.py (1 thread) for the sampling steps' few
-    rows. Intel Xeon with AMX: fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes: 1.4-1.8x at 8 rows),
-    except weights under 1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16, 2-48 rows, 1.1-2.2x; from 64
-    rows the two are even or F.linear wins (sampling Qwen3-0.6B's shape, bench/sampling_probe.py: fp32 1.26x,
-    bf16 1.09x). AMD EPYC Zen 2 (AVX2), fp32: Qwen3-0.6B's layers of 2 M values and more 1.1-1.2x at 8 rows,
-    1.3-1.8x at 16, 1.6-2.4x at 4, its 151,936 x 1,024 LM head 2.0x at 8 rows; 1024 x 1024 even at 8 rows; every
-    bench mid / small shape (under 1 M values) 0.6-0.75x at 8 rows, even from 16; 2 rows 0.6-0.8x. An AMD EPYC
-    Zen 4 found W·xᵀ slower at most of these sizes: CPUs of other kinds keep F.linear for every layer."""
+    """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear
+    asks BLAS for), by rules measured per CPU kind with bench/linear_probe.py (1 thread) for the sampling
+    steps' few rows. Intel Xeon with AMX: fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes:
+    1.4-1.8x at 8 rows), except weights under 1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16,
+    2-48 rows, 1.1-2.2x; from 64 rows the two are even or F.linear wins (sampling Qwen3-0.6B's shape,
+    bench/sampling_probe.py: fp32 1.26x, bf16 1.09x). AMD EPYC Zen 2 (AVX2), fp32: Qwen3-0.6B's layers of
+    2 M values and more 1.1-1.2x at 8 rows, 1.3-1.8x at 16, 1.6-2.4x at 4, its 151,936 x 1,024 LM head 2.0x
+    at 8 rows; 1024 x 1024 even at 8 rows; every bench mid / small shape (under 1 M values) 0.6-0.75x at
+    8 rows, even from 16; 2 rows 0.6-0.8x. An AMD EPYC Zen 4 found W·xᵀ slower at most of these sizes: CPUs
+    of other kinds keep F.linear for every layer."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     kind = weight_first_cpu()
