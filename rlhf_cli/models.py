@@ -428,11 +428,13 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype):
         reward = TokenValueModel(reward).to(device).eval()
     fp32_trainables(policy)
     from rlhf_cli.ppo.fused import fuse_lora_linears, fuse_rms_norms
+    from rlhf_cli.ppo import tail
 
     for m in (policy, ref, value, reward):
         if m is not None:
             fuse_rms_norms(m)
             fuse_lora_linears(m)
+            tail.install(m)
     # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
     return PPOModels(policy=policy.to(device).eval(), ref=ref, value=value, reward=reward, score_stats=stats,
                      value_source=str(value_src))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.rollout import generate_chunk, padding_counts, policy_logits, position_ids_from, response_slice
+from rlhf_cli.ppo.rollout import generate_chunk, padding_counts, policy_logits, position_ids_from
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
         ref_logprobs = each(ref_logprobs_of)
         values = None
         if value_model is not None:
-            values = each(lambda ids, am, ps, rows, st: response_slice(value_model(ids, am, ps), R))
+            values = each(lambda ids, am, ps, rows, st: value_model(ids, am, ps, response_length=R))
         rm_scores = None
         if reward_model is not None:
             last = q_ids.shape[1] + core.last_token_index(rmask)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhf_cli.ppo import core
+from rlhf_cli.ppo import core, tail
 from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
 from rlhf_cli.ppo.decode import Decoder
 
@@ -35,19 +35,41 @@ class TokenValueModel(nn.Module):
         """The score head (a Linear to one output)."""
         return self._parts()[1]
 
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, position_ids,
+                response_length: int | None = None) -> torch.Tensor:
+        """Values (B, L), or with `response_length` R those of the states that emit the response (B, R), the
+        last layer run on those positions only where it can be (`rlhf_cli.ppo.tail`)."""
         backbone, head = self._parts()
-        h = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).last_hidden_state
+        L = input_ids.shape[1]
+        start = None if response_length is None else L - response_length - 1
+        h = self._hidden(backbone, input_ids, attention_mask, position_ids, start, L - 1)
+        if start is not None and h.shape[1] == L:
+            h = h[:, start: L - 1]
         return head(h).squeeze(-1).float()
 
     def score_at(self, input_ids, attention_mask, position_ids, index: torch.Tensor) -> torch.Tensor:
         """Score (B,) read at one position per row (the last valid response token)."""
         backbone, head = self._parts()
-        h = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).last_hidden_state
-        picked = h[torch.arange(h.shape[0], device=h.device), index]
+        lo, hi = 0, None
+        if tail.layer_of(self) is not None:  # the last layer over the rows' span of last tokens only
+            lo, hi = (int(x) for x in torch.stack([index.min(), index.max()]).tolist())
+        h = self._hidden(backbone, input_ids, attention_mask, position_ids, lo if hi is not None else None,
+                         (hi or 0) + 1)
+        at = index - lo if h.shape[1] != input_ids.shape[1] else index
+        picked = h[torch.arange(h.shape[0], device=h.device), at]
         return head(picked).squeeze(-1).float()
+
+    def _hidden(self, backbone, input_ids, attention_mask, position_ids, start: int | None, end: int):
+        """The backbone's last hidden states: over [start, end) where the last layer can run on a span (and
+        `start` is given), else over every position."""
+        def run():
+            return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state
+
+        if start is None or tail.layer_of(self) is None:
+            return run()
+        with tail.span(start, end):
+            return run()
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -71,8 +93,17 @@ def policy_logits(model, input_ids, attention_mask, position_ids, response_lengt
     `vocab_size` smaller than the model's rows (real Qwen3: 151,669 tokens, 151,936 rows) the rows past the
     tokenizer are cut off, so they are never sampled and never enter a softmax."""
     L = input_ids.shape[1]
+    start = L - response_length - 1
+    if tail.layer_of(model) is not None:  # the last layer runs on those positions only: the head's input
+        with tail.span(start, L - 1):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=0, use_cache=False)
+        if out.logits.shape[1] != response_length:
+            raise RuntimeError(f"the last layer ran on {out.logits.shape[1]} positions, not the "
+                               f"{response_length} response positions")
+        return _vocab(out.logits, vocab_size)
     # exactly the R positions P-1 … P+R-2: a contiguous (B, R, d) input to the head, no slice of its output
-    keep = torch.arange(L - response_length - 1, L - 1, device=input_ids.device)
+    keep = torch.arange(start, L - 1, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=keep, use_cache=False)
     return _vocab(out.logits, vocab_size)

@@ -29,7 +29,7 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint, core, rewards
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
-from rlhf_cli.ppo.rollout import leading_padding, padding_counts, policy_logits, response_slice
+from rlhf_cli.ppo.rollout import leading_padding, padding_counts, policy_logits
 from rlhf_cli.ppo.sparse_rows import RowSparseEmbedding
 
 log = logging.getLogger("rlhf")
@@ -351,7 +351,7 @@ class PPOTrainer:
             return zero, {"vf_loss": zero, "vf_clipfrac": zero}
         ids, am, pos = self._rows(exp, idx, start)
         with self.autocast():
-            vpred = response_slice(self.value(ids, am, pos), exp.response_length)
+            vpred = self.value(ids, am, pos, response_length=exp.response_length)
         vf_loss, vf = core.value_loss(vpred, exp.values[idx], exp.returns[idx], exp.response_mask[idx],
                                       self.c.cliprange_value)
         return self.c.vf_coef * vf_loss, {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf["clipfrac"]}
