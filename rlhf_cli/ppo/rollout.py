@@ -41,35 +41,30 @@ class TokenValueModel(nn.Module):
         last layer run on those positions only where it can be (`rlhf_cli.ppo.tail`)."""
         backbone, head = self._parts()
         L = input_ids.shape[1]
-        start = None if response_length is None else L - response_length - 1
-        h = self._hidden(backbone, input_ids, attention_mask, position_ids, start, L - 1)
-        if start is not None and h.shape[1] == L:
-            h = h[:, start: L - 1]
-        return head(h).squeeze(-1).float()
+        if response_length is None:
+            return head(self._hidden(backbone, input_ids, attention_mask, position_ids)).squeeze(-1).float()
+        start = L - response_length - 1
+        h = self._hidden(backbone, input_ids, attention_mask, position_ids, (start, L - 1))
+        return head(h if h.shape[1] == response_length else h[:, start: L - 1]).squeeze(-1).float()
 
     def score_at(self, input_ids, attention_mask, position_ids, index: torch.Tensor) -> torch.Tensor:
         """Score (B,) read at one position per row (the last valid response token)."""
         backbone, head = self._parts()
-        lo, hi = 0, None
-        if tail.layer_of(self) is not None:  # the last layer over the rows' span of last tokens only
-            lo, hi = (int(x) for x in torch.stack([index.min(), index.max()]).tolist())
-        h = self._hidden(backbone, input_ids, attention_mask, position_ids, lo if hi is not None else None,
-                         (hi or 0) + 1)
-        at = index - lo if h.shape[1] != input_ids.shape[1] else index
-        picked = h[torch.arange(h.shape[0], device=h.device), at]
+        lo, hi = (int(x) for x in torch.stack([index.min(), index.max()]).tolist()) \
+            if tail.layer_of(self) is not None else (0, input_ids.shape[1] - 1)
+        h = self._hidden(backbone, input_ids, attention_mask, position_ids, (lo, hi + 1))
+        picked = h[torch.arange(h.shape[0], device=h.device), index - lo]
         return head(picked).squeeze(-1).float()
 
-    def _hidden(self, backbone, input_ids, attention_mask, position_ids, start: int | None, end: int):
-        """The backbone's last hidden states: over [start, end) where the last layer can run on a span (and
-        `start` is given), else over every position."""
-        def run():
+    def _hidden(self, backbone, input_ids, attention_mask, position_ids, span: tuple[int, int] | None = None):
+        """The backbone's last hidden states: over positions [span) where the last layer can run on a span
+        (`rlhf_cli.ppo.tail`), else over every position."""
+        if span is None or tail.layer_of(self) is None:
             return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False).last_hidden_state
-
-        if start is None or tail.layer_of(self) is None:
-            return run()
-        with tail.span(start, end):
-            return run()
+        with tail.span(*span):
+            return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
