@@ -1,6 +1,6 @@
 """PPO benchmark: rlhf's PPO stage against TRL 1.12's PPOTrainer, side by side (`make bench`).
 
-    .venv/bin/python bench/run.py            # tiny, mini, mid, small (about 40 min on a quiet 2-core box, 1 thread)
+    .venv/bin/python bench/run.py            # tiny, mini, mid, midsmall, small (about 70 min on a quiet 2-core box, 1 thread)
     .venv/bin/python bench/run.py --quick    # smoke run: 1 repetition, few updates, results in bench/work/
     .venv/bin/python bench/run.py --only speed --workloads tiny --reps 5
     .venv/bin/python bench/run.py --real     # `make bench-real`: Qwen3-0.6B's shape, LoRA, fp32 and bf16 (bf16 only on CPUs with bf16 units)
@@ -42,13 +42,15 @@ EPISODES_PER_UPDATE = 32
 PPO_EPOCHS = 2
 
 FULL = {"tiny": {"updates": 8, "response_length": 32}, "mini": {"updates": 8, "response_length": 32},
-        "mid": {"updates": 4, "response_length": 64}, "small": {"updates": 4, "response_length": 64}}
+        "mid": {"updates": 4, "response_length": 64}, "small": {"updates": 4, "response_length": 64},
+        "midsmall": {"updates": 4, "response_length": 48}}
 QUICK = {"tiny": {"updates": 2, "response_length": 32}, "mini": {"updates": 2, "response_length": 32},
-         "mid": {"updates": 1, "response_length": 64}, "small": {"updates": 1, "response_length": 64}}
+         "mid": {"updates": 1, "response_length": 64}, "small": {"updates": 1, "response_length": 64},
+         "midsmall": {"updates": 1, "response_length": 48}}
 # the real workload: 8 episodes per update (micro-batch 2 x accumulation 4, rollout batch 8), 2 updates x 32 tokens
 REAL = {"updates": 2, "response_length": 32, "episodes_per_update": 8, "micro_batch": 2}
 QUICK_REAL = {"updates": 1, "response_length": 4, "episodes_per_update": 2, "micro_batch": 1}
-BETWEEN = ("mini", "mid")  # the sizes between tiny and small
+BETWEEN = ("mini", "mid", "midsmall")  # the sizes between tiny and small
 SIDES = {"trl": "TRL 1.12", "trl_nogc": "TRL 1.12, gc off", "rlhf": "rlhf"}
 
 
@@ -159,7 +161,7 @@ def eps_of(r: dict) -> float:
 
 def summarise_speed(runs: list[dict]) -> dict:
     out = {}
-    order = {w: i for i, w in enumerate(["tiny", "mini", "mid", "small", "real"])}
+    order = {w: i for i, w in enumerate(["tiny", "mini", "mid", "midsmall", "small", "real"])}
     for key in sorted({group_key(r) for r in runs}, key=lambda k: (order.get(k[0], 9), k[1], k[2] != "fp32")):
         group = [r for r in runs if group_key(r) == key]
         sides = {}
@@ -404,7 +406,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               + ", ".join(f"{w}: {sh['updates']} updates × {sh['response_length']} tokens"
                           for w, sh in runs_meta.get("shapes", FULL).items()) + ". Shapes (hidden / layers / heads "
               "/ kv heads / head_dim / intermediate, vocabulary 1,500): tiny 64/2/4/2/16/128, mini 128/4/4/2/32/384, "
-              "mid 256/4/4/2/64/768, small 512/6/8/4/64/1536.", "",
+              "mid 256/4/4/2/64/768, midsmall 384/5/6/3/64/1152, small 512/6/8/4/64/1536.", "",
               "| workload | variant | side | episodes/s | s per update | peak RSS (MB) | runs |",
               "|---|---|---|---|---|---|---|"]
         for key, g in speed_res["groups"].items():
@@ -707,7 +709,7 @@ def main(argv=None) -> int:
                     "learning comparison; results go to bench/work/results-quick/")
     ap.add_argument("--reps", type=int, default=None, help="runs per side (default 3; --quick: 1)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--workloads", nargs="+", default=["tiny", "mini", "mid", "small"], choices=list(FULL))
+    ap.add_argument("--workloads", nargs="+", default=["tiny", "mini", "mid", "midsmall", "small"], choices=list(FULL))
     ap.add_argument("--variants", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument("--only", nargs="+", choices=["speed", "roofline", "learning"], default=None)
     ap.add_argument("--real", action="store_true", help="the real workload (Qwen3-0.6B's shape, LoRA) instead of "

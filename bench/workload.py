@@ -77,6 +77,15 @@ SHAPES = {
         head_dim=64,
         intermediate_size=1536,
     ),
+    # between mid and small (a size no rule in rlhf_cli was measured on when it was added)
+    "midsmall": dict(
+        hidden_size=384,
+        num_hidden_layers=5,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1152,
+    ),
 }
 
 # Qwen3-0.6B (config.json of the released model); `real` builds this shape with random weights.

@@ -598,6 +598,12 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     lora, value_lora = bool(p.lora.enabled), bool(p.value_lora)
     critic = str(p.get("advantage", "gae")) == "gae"
     copies = _ppo_weights(plan, p, a, ps)
+    if ps.accelerator == "cpu" and ps.compute_name == "fp32" and ps.frozen_bytes == 4:
+        from rlhf_cli.ppo import cpu_linear
+
+        if cpu_linear.resolve(str(cfg.device.get("cpu_matmul") or "auto")):
+            plan.items.append(Item("oneDNN primitive caches", cpu_linear.CACHE_BYTES,
+                                   f"{cpu_linear.CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
 
     b = int(p.per_device_train_batch_size)
     resp = int(p.response_length)

@@ -25,6 +25,9 @@ def setup_torch(cfg) -> None:
     threads = int(cfg.device.get("threads") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
+    from rlhf_cli.ppo import cpu_linear
+
+    cpu_linear.set_mode(str(cfg.device.get("cpu_matmul") or "auto"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     seed = int(cfg.seed)
     random.seed(seed)
@@ -428,13 +431,14 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype):
         reward = TokenValueModel(reward).to(device).eval()
     fp32_trainables(policy)
     from rlhf_cli.ppo.fused import fuse_lora_linears, fuse_rms_norms
-    from rlhf_cli.ppo import tail
+    from rlhf_cli.ppo import cpu_linear, tail
 
     for m in (policy, ref, value, reward):
         if m is not None:
             fuse_rms_norms(m)
             fuse_lora_linears(m)
             tail.install(m)
+            cpu_linear.install(m)
     # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
     return PPOModels(policy=policy.to(device).eval(), ref=ref, value=value, reward=reward, score_stats=stats,
                      value_source=str(value_src))

@@ -173,6 +173,7 @@ SCHEMA: dict[str, Rule] = {
     "device.strategy": one_of(*STRATEGIES),
     "device.num_processes": whole(1, also=("auto",)),
     "device.threads": whole(0),                      # 0: torch's default
+    "device.cpu_matmul": one_of("auto", "blas", "onednn"),  # rlhf_cli.ppo.cpu_linear
     "device.mixed_precision": one_of("auto", "no", "bf16", "fp16"),
     "device.zero_stage": whole(0, 3),
     "device.offload_optimizer": flag(),

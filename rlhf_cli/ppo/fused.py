@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlhf_cli.ppo import cpu_linear
+
 _OP = getattr(torch.ops.aten, "_fused_rms_norm", None)
 
 
@@ -112,13 +114,14 @@ def fuse_rms_norms(model: nn.Module) -> int:
 
 
 class LoraLinearFunction(torch.autograd.Function):
-    """y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ with W, b frozen; gradients for x, A, B."""
+    """y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ with W, b frozen; gradients for x, A, B. The products with W go through
+    `cpu_linear` (oneDNN where it is on)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
         x2 = x.reshape(-1, x.shape[-1])
         h = torch.mm(x2, lora_a.t())
-        y = torch.nn.functional.linear(x2, weight, bias)
+        y = cpu_linear.linear(x2, weight, bias)
         y.addmm_(h, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(x2, h, weight, lora_a, lora_b)
         ctx.scaling, ctx.shape = scaling, x.shape
@@ -132,7 +135,7 @@ class LoraLinearFunction(torch.autograd.Function):
         gh = torch.mm(g, lora_b).mul_(s)  # (tokens, r)
         gx = ga = gb = None
         if ctx.needs_input_grad[0]:
-            gx = torch.mm(g, weight).addmm_(gh, lora_a).view(ctx.shape)
+            gx = cpu_linear.mm_t(g, weight.t()).addmm_(gh, lora_a).view(ctx.shape)
         if ctx.needs_input_grad[3]:
             ga = torch.mm(gh.t(), x2)
         if ctx.needs_input_grad[4]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhf_cli.ppo import core, tail
+from rlhf_cli.ppo import core, cpu_linear, tail
 from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
 from rlhf_cli.ppo.decode import Decoder
 
@@ -282,10 +282,10 @@ def weight_first(rows: int, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed as W·xᵀ where `weight_first` says so."""
+    """F.linear(x, weight, bias), computed as W·xᵀ where `weight_first` says so (else as `cpu_linear.linear`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not weight_first(rows, weight):
-        return nn.functional.linear(x, weight, bias)
+        return cpu_linear.linear(x, weight, bias)
     y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
     if bias is not None:
         y = y + bias
@@ -300,14 +300,18 @@ def _weight_first_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def weight_first_linears(model):
     """While it is open, the model's plain `nn.Linear` layers (PEFT's LoRA layers call theirs) compute through
     `weight_first` where it says so: for the sampling steps, a few rows against every weight."""
-    layers = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
-    for m in layers:
+    layers = [(m, m.__dict__.get("forward")) for m in model.modules()
+              if type(m) is nn.Linear and ("forward" not in m.__dict__ or cpu_linear.is_installed(m))]
+    for m, _ in layers:
         m.forward = _weight_first_linear.__get__(m)
     try:
         yield model
     finally:
-        for m in layers:
-            m.__dict__.pop("forward", None)
+        for m, before in layers:
+            if before is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = before
 
 
 def preallocated_cache(model, capacity: int):

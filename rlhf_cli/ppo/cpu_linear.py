@@ -1,0 +1,181 @@
+"""fp32 linear layers on the CPU through oneDNN rather than the BLAS that `F.linear` calls.
+
+torch's CPU wheels send an fp32 `F.linear` to MKL. On AMD CPUs MKL runs its AVX2 kernels, at about half of what
+the chip can do: on an AMD EPYC Zen 5 (family 26, AVX-512, 1 thread) `F.linear` ran the PPO update's shapes
+(32-1,500 rows against 192 x 384 ... 3,072 x 1,024 weights, and 151,936 x 1,024) at ~90 GFLOP/s, oneDNN's
+`mkldnn._linear_pointwise` (the op torch's own CPU inductor emits) at 190-210 GFLOP/s: 1.6-2.4x faster, forward
+and both backward products, with fp32 accumulation (largest error against fp64 1.3e-4 on values of ~32; MKL
+6e-5). With a handful of rows (the sampling steps) oneDNN is the slower one (0.4-0.9x at 1 row), so layers keep
+`F.linear` under `MIN_ROWS` rows. On Intel CPUs MKL runs its own AVX-512 kernels (not measured against oneDNN
+yet): there the one-time check decides.
+
+`device.cpu_matmul` picks: auto (that check: oneDNN where it is `SPEEDUP` faster on a PPO-sized product), blas,
+or onednn. Only plain `nn.Linear` layers of models without hooks switch (`install`); bf16 / fp16 tensors, autocast,
+GPUs and non-fp32 weights always take `F.linear`. Rerun the measurement: bench/linear_probe.py --onednn.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+log = logging.getLogger("rlhf")
+
+MODES = ("auto", "blas", "onednn")
+MIN_ROWS = 32        # fewer rows than this: F.linear (oneDNN 0.4-0.9x at 1 row, mixed at 8, faster from 32)
+SPEEDUP = 1.25       # auto switches where oneDNN is at least this much faster on the probe product
+_state = {"on": False}
+# oneDNN keeps a compiled primitive per product shape, in two caches of 1,024 entries by default (oneDNN's and
+# ideep's), ~0.6 MB each: the PPO epochs' row counts change with every micro-batch's length, so unbounded they grew
+# a process by ~2 MB per new row count (300 counts: +550 MB). 64 holds a model's forward and backward products for a
+# couple of row counts (+50 MB at most; 300 counts in 0.53 s against 0.89 s uncapped: a new primitive is cheap).
+CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+CACHE_CAPACITY = 64
+CACHE_BYTES = CACHE_CAPACITY * 0.8 * 2**20   # both caches full (measured: 64 -> +51 MB over 300 row counts)
+
+
+def available() -> bool:
+    """Whether this torch has the oneDNN linear op on the CPU."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T (2-D, fp32) through oneDNN; strided views (transposes) go in as they are."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+def _best_of(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.cache
+def onednn_speedup() -> float:
+    """How much faster oneDNN runs a PPO-sized fp32 product (256 rows x 512 against a 1,536 x 512 weight, best of
+    5) than F.linear, with this process's thread count; 0.0 where it is unavailable or fails."""
+    if not available():
+        return 0.0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=g)
+    w = torch.randn(1536, 512, generator=g)
+    try:
+        blas = _best_of(lambda: nn.functional.linear(x, w), 5)
+        dnn = _best_of(lambda: _mm_t(x, w), 5)
+    except RuntimeError:
+        return 0.0
+    return blas / dnn if dnn > 0 else 0.0
+
+
+def bound_caches(capacity: int = CACHE_CAPACITY) -> None:
+    """Cap oneDNN's and ideep's primitive caches (read once, at their first use; a value the user set stays)."""
+    for var in CACHE_VARS:
+        os.environ.setdefault(var, str(capacity))
+
+
+def resolve(mode: str) -> bool:
+    """Whether `mode` (`MODES`) means oneDNN in this process (auto: the one-time check)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_matmul must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "blas" or not available():
+        return False
+    bound_caches()
+    if mode == "onednn":
+        return True
+    speedup = onednn_speedup()
+    log.debug("cpu_matmul=auto: oneDNN %.2fx F.linear on the probe product", speedup)
+    return speedup >= SPEEDUP
+
+
+def set_mode(mode: str) -> bool:
+    """Switch the process's CPU fp32 linears to oneDNN or back (`MODES`); returns whether oneDNN is now on."""
+    _state["on"] = resolve(mode)
+    return _state["on"]
+
+
+def enabled() -> bool:
+    return _state["on"]
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _mm_t(gy, weight.t())               # gy @ W
+        if ctx.needs_input_grad[1]:
+            gw = _mm_t(gy.t(), x2.t())               # gyᵀ @ x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.sum(0)
+        return gx, gw, gb
+
+
+def mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T for 2-D tensors (b may be a transposed view), through oneDNN under the same rules as `linear`."""
+    if _state["on"] and a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and \
+            a.shape[0] >= MIN_ROWS and not torch.is_autocast_enabled("cpu"):
+        return _mm_t(a, b)
+    return torch.mm(a, b.t())
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` sends this product to oneDNN."""
+    return (_state["on"] and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.dim() == 2 and x.dim() >= 2
+            and (bias is None or bias.dtype == torch.float32)
+            and type(weight) in (torch.Tensor, nn.Parameter)
+            and x.numel() >= MIN_ROWS * x.shape[-1] > 0
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through oneDNN where `applies` says so."""
+    if not applies(x, weight, bias):
+        return nn.functional.linear(x, weight, bias)
+    k = x.shape[-1]
+    y = _OneDNNLinear.apply(x.reshape(-1, k), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def is_installed(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _forward
+
+
+def install(model: nn.Module) -> int:
+    """Route the model's plain `nn.Linear` layers through `linear`; returns how many. Idempotent. A model with
+    hooks (offloading, ZeRO-3) keeps its layers as they are, and nothing switches while oneDNN is off."""
+    from rlhf_cli.ppo.tail import _hooked
+
+    if not _state["on"] or _hooked(model):
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and ("forward" not in m.__dict__ or is_installed(m)):
+            if type(m.weight) not in (torch.Tensor, nn.Parameter):
+                continue
+            m.forward = _forward.__get__(m)
+            n += 1
+    return n
