@@ -586,6 +586,14 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
     return copies
 
 
+def _onednn_linears(cfg, a: Arch, s: Setup) -> bool:
+    """Whether PPO's linear layers run on oneDNN here (rlhf_cli.ppo.cpu_linear: fp32 on the CPU, wide enough)."""
+    from rlhf_cli.ppo import cpu_linear
+
+    return (s.accelerator == "cpu" and s.compute_name == "fp32" and s.frozen_bytes == 4
+            and a.hidden_size >= cpu_linear.MIN_DIM and cpu_linear.resolve(str(cfg.device.get("cpu_matmul") or "auto")))
+
+
 def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     p = cfg.ppo
     plan = StagePlan("ppo")
@@ -598,12 +606,11 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     lora, value_lora = bool(p.lora.enabled), bool(p.value_lora)
     critic = str(p.get("advantage", "gae")) == "gae"
     copies = _ppo_weights(plan, p, a, ps)
-    if ps.accelerator == "cpu" and ps.compute_name == "fp32" and ps.frozen_bytes == 4:
+    if _onednn_linears(cfg, a, ps):
         from rlhf_cli.ppo import cpu_linear
 
-        if cpu_linear.resolve(str(cfg.device.get("cpu_matmul") or "auto")):
-            plan.items.append(Item("oneDNN primitive caches", cpu_linear.CACHE_BYTES,
-                                   f"{cpu_linear.CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
+        plan.items.append(Item("oneDNN primitive caches", cpu_linear.CACHE_BYTES,
+                               f"{cpu_linear.CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
 
     b = int(p.per_device_train_batch_size)
     resp = int(p.response_length)

@@ -18,11 +18,17 @@ pytestmark = pytest.mark.skipif(not cl.available(), reason="this torch has no on
 
 
 @pytest.fixture
-def onednn():
-    before = cl.enabled()
-    cl.set_mode("onednn")
+def state():
+    before = dict(cl._state)
     yield
-    cl._state["on"] = before
+    cl._state.update(before)
+
+
+@pytest.fixture
+def onednn(state, monkeypatch):
+    """oneDNN on, for products of any width (the maths on small numbers)."""
+    monkeypatch.setattr(cl, "MIN_DIM", 1)
+    cl.set_mode("onednn")
 
 
 def grads(fn, x, w, b, g):
@@ -80,21 +86,40 @@ def test_what_keeps_f_linear(onednn):
     assert not cl.applies(torch.randn(64, 16), w)
 
 
-def test_modes(monkeypatch):
-    before = cl.enabled()
-    try:
-        with pytest.raises(ValueError, match="cpu_matmul"):
-            cl.set_mode("fast")
-        monkeypatch.setattr(cl, "onednn_speedup", lambda: cl.SPEEDUP + 0.5)
-        assert cl.set_mode("auto") and cl.enabled()
-        monkeypatch.setattr(cl, "onednn_speedup", lambda: 1.0)  # an Intel CPU: MKL's own kernels, even
-        assert not cl.set_mode("auto") and not cl.enabled()
-        assert cl.set_mode("onednn") and not cl.set_mode("blas")
-        assert all(os.environ.get(v) for v in cl.CACHE_VARS)  # bounded caches (a value the user set stays)
-        monkeypatch.setattr(cl, "available", lambda: False)
-        assert not cl.set_mode("onednn")
-    finally:
-        cl._state["on"] = before
+def test_modes(state, monkeypatch):
+    with pytest.raises(ValueError, match="cpu_matmul"):
+        cl.set_mode("fast")
+    monkeypatch.setattr(cl, "onednn_speedup", lambda: cl.SPEEDUP + 0.5)
+    cl.set_mode("auto")
+    assert cl._state["on"] is None and cl.enabled()  # the check runs at the first use
+    monkeypatch.setattr(cl, "onednn_speedup", lambda: 1.0)  # oneDNN no faster than BLAS here
+    cl.set_mode("auto")
+    assert not cl.enabled()
+    cl.set_mode("onednn")
+    assert cl.enabled()
+    assert all(os.environ.get(v) for v in cl.CACHE_VARS)  # bounded caches (a value the user set stays)
+    cl.set_mode("blas")
+    assert not cl.enabled()
+    monkeypatch.setattr(cl, "available", lambda: False)
+    cl.set_mode("onednn")
+    assert not cl.enabled()
+
+
+def test_narrow_products_keep_blas_and_never_run_the_check(state, monkeypatch):
+    def check():
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(cl, "onednn_speedup", check)
+    cl.set_mode("auto")
+    narrow, wide = torch.randn(cl.MIN_DIM - 1, cl.MIN_DIM), torch.randn(cl.MIN_DIM, cl.MIN_DIM)
+    x = torch.randn(64, cl.MIN_DIM)
+    assert not cl.applies(x, narrow) and not cl.applies(torch.randn(64, 1), wide[:, :1])
+    assert torch.equal(cl.linear(x, narrow), nn.functional.linear(x, narrow))
+    m = _tiny()  # hidden 16: nothing to switch
+    assert cl.install(m) == 0
+    assert cl._state["on"] is None
+    monkeypatch.setattr(cl, "onednn_speedup", lambda: cl.SPEEDUP + 0.5)
+    assert cl.applies(x, wide) and cl._state["on"] is True
 
 
 def _tiny():
@@ -123,17 +148,12 @@ def test_installed_model_same_outputs_and_gradients(onednn):
         torch.testing.assert_close(outs[1][1][n], g, atol=1e-4, rtol=1e-4, msg=n)
 
 
-def test_install_skips_when_off_or_hooked():
-    before = cl.enabled()
-    try:
-        cl.set_mode("blas")
-        assert cl.install(_tiny()) == 0
-        cl.set_mode("onednn")
-        m = _tiny()
-        m.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: None)  # offloading / ZeRO-3 style hooks
-        assert cl.install(m) == 0
-    finally:
-        cl._state["on"] = before
+def test_install_skips_when_off_or_hooked(onednn):
+    m = _tiny()
+    m.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: None)  # offloading / ZeRO-3 style hooks
+    assert cl.install(m) == 0
+    cl.set_mode("blas")
+    assert cl.install(_tiny()) == 0
 
 
 @torch.no_grad()
@@ -150,7 +170,7 @@ def test_weight_first_layers_on_top_and_put_back(onednn, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [cl.MIN_ROWS - 1, 96])
-def test_fused_lora_function_same_with_onednn(rows):
+def test_fused_lora_function_same_with_onednn(rows, onednn):
     from rlhf_cli.ppo.fused import LoraLinearFunction
 
     gen = torch.Generator().manual_seed(2)
@@ -159,15 +179,11 @@ def test_fused_lora_function_same_with_onednn(rows):
     a = torch.randn(4, 32, generator=gen, requires_grad=True)
     bb = torch.randn(48, 4, generator=gen, requires_grad=True)
     g = torch.randn(rows, 48, generator=gen)
-    before = cl.enabled()
     out = []
-    try:
-        for mode in ("blas", "onednn"):
-            cl.set_mode(mode)
-            y = LoraLinearFunction.apply(x, w, b, a, bb, 2.0)
-            out.append((y, *torch.autograd.grad(y, (x, a, bb), g)))
-    finally:
-        cl._state["on"] = before
+    for mode in ("blas", "onednn"):
+        cl.set_mode(mode)
+        y = LoraLinearFunction.apply(x, w, b, a, bb, 2.0)
+        out.append((y, *torch.autograd.grad(y, (x, a, bb), g)))
     want = x @ w.T + b + 2.0 * (x @ a.T) @ bb.T
     torch.testing.assert_close(out[1][0], want, atol=1e-4, rtol=1e-4)
     for got, ref in zip(out[1], out[0]):

@@ -28,14 +28,18 @@ log = logging.getLogger("rlhf")
 
 MODES = ("auto", "blas", "onednn")
 MIN_ROWS = 32        # fewer rows than this: F.linear (oneDNN 0.4-0.9x at 1 row, mixed at 8, faster from 32)
+MIN_DIM = 128        # weights with a side under this keep F.linear: tiny models (bench tiny, hidden 64, gained
+                     # nothing) and 1-output heads, and every product oneDNN compiles costs memory (below)
 SPEEDUP = 1.25       # auto switches where oneDNN is at least this much faster on the probe product
-_state = {"on": False}
+# mode: set_mode's; on: whether oneDNN is used, None until auto's check runs (at the first product that would use
+# it, so a run whose products all keep F.linear never loads oneDNN)
+_state: dict = {"mode": "blas", "on": False}
 # oneDNN keeps a compiled primitive per product shape, in two caches of 1,024 entries by default (oneDNN's and
-# ideep's), ~0.6 MB each: the PPO epochs' row counts change with every micro-batch's length, so unbounded they grew
-# a process by ~2 MB per new row count (300 counts: +550 MB). 64 holds a model's forward and backward products for a
-# couple of row counts (+50 MB at most; 300 counts in 0.53 s against 0.89 s uncapped: a new primitive is cheap).
+# ideep's), ~0.7 MB each: the PPO epochs' row counts change with every micro-batch's length, so unbounded they grew
+# a process by ~2 MB per new row count (300 counts: +550 MB). 32 holds a policy's and a value model's forward and
+# backward products for one row count (~21 shapes); a new primitive costs ~0.45 ms.
 CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-CACHE_CAPACITY = 64
+CACHE_CAPACITY = 32
 CACHE_BYTES = CACHE_CAPACITY * 0.8 * 2**20   # both caches full (measured: 64 -> +51 MB over 300 row counts)
 
 
@@ -99,14 +103,25 @@ def resolve(mode: str) -> bool:
     return speedup >= SPEEDUP
 
 
-def set_mode(mode: str) -> bool:
-    """Switch the process's CPU fp32 linears to oneDNN or back (`MODES`); returns whether oneDNN is now on."""
-    _state["on"] = resolve(mode)
-    return _state["on"]
+def set_mode(mode: str) -> None:
+    """Switch the process's CPU fp32 linears to oneDNN or back (`MODES`); auto decides at the first product that
+    would use oneDNN."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_matmul must be one of {', '.join(MODES)}, got {mode!r}")
+    _state["mode"] = mode
+    _state["on"] = None if mode == "auto" else resolve(mode)
 
 
 def enabled() -> bool:
+    """Whether oneDNN is on (runs auto's check on the first call)."""
+    if _state["on"] is None:
+        _state["on"] = resolve(_state["mode"])
     return _state["on"]
+
+
+def _may_use() -> bool:
+    """Whether oneDNN could be on, without running auto's check."""
+    return _state["on"] is not False
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -131,20 +146,23 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b.T for 2-D tensors (b may be a transposed view), through oneDNN under the same rules as `linear`."""
-    if _state["on"] and a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and \
-            a.shape[0] >= MIN_ROWS and not torch.is_autocast_enabled("cpu"):
+    if _may_use() and a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and \
+            a.shape[0] >= MIN_ROWS and min(b.shape) >= MIN_DIM and not torch.is_autocast_enabled("cpu") \
+            and enabled():
         return _mm_t(a, b)
     return torch.mm(a, b.t())
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` sends this product to oneDNN."""
-    return (_state["on"] and x.device.type == "cpu" and x.dtype == torch.float32
+    return (_may_use() and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2 and x.dim() >= 2
+            and min(weight.shape) >= MIN_DIM
             and (bias is None or bias.dtype == torch.float32)
             and type(weight) in (torch.Tensor, nn.Parameter)
             and x.numel() >= MIN_ROWS * x.shape[-1] > 0
-            and not torch.is_autocast_enabled("cpu"))
+            and not torch.is_autocast_enabled("cpu")
+            and enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,16 +183,17 @@ def is_installed(module: nn.Module) -> bool:
 
 
 def install(model: nn.Module) -> int:
-    """Route the model's plain `nn.Linear` layers through `linear`; returns how many. Idempotent. A model with
-    hooks (offloading, ZeRO-3) keeps its layers as they are, and nothing switches while oneDNN is off."""
+    """Route the model's plain `nn.Linear` layers with both sides ≥ `MIN_DIM` through `linear`; returns how many.
+    Idempotent. A model with hooks (offloading, ZeRO-3) keeps its layers as they are, and nothing switches while
+    oneDNN is off or unavailable."""
     from rlhf_cli.ppo.tail import _hooked
 
-    if not _state["on"] or _hooked(model):
+    if not _may_use() or not available() or _hooked(model):
         return 0
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and ("forward" not in m.__dict__ or is_installed(m)):
-            if type(m.weight) not in (torch.Tensor, nn.Parameter):
+            if type(m.weight) not in (torch.Tensor, nn.Parameter) or min(m.weight.shape) < MIN_DIM:
                 continue
             m.forward = _forward.__get__(m)
             n += 1
