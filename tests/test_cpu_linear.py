@@ -199,3 +199,11 @@ def test_the_memory_plan_counts_the_caches_when_on(mode):
     plan = M.plan_stage(cfg, "ppo", M.arch_for_model(cfg.model)[0])
     names = [i.name for i in plan.items]
     assert ("oneDNN primitive caches" in names) == (mode == "onednn")
+
+
+def test_a_bad_mode_is_a_one_line_config_error():
+    from rlhf_cli.config import compose
+    from rlhf_cli.errors import RlhfError
+
+    with pytest.raises(RlhfError, match=r"device.cpu_matmul=fast is unknown; use one of auto, blas, onednn"):
+        compose("ppo", ["device.cpu_matmul=fast"])

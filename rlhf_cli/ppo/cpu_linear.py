@@ -2,10 +2,10 @@
 
 torch's CPU wheels send an fp32 `F.linear` to MKL. On AMD CPUs MKL runs its AVX2 kernels, at about half of what
 the chip can do: on an AMD EPYC Zen 5 (family 26, AVX-512, 1 thread) `F.linear` ran the PPO update's shapes
-(32-1,500 rows against 192 x 384 ... 3,072 x 1,024 weights, and 151,936 x 1,024) at ~90 GFLOP/s, oneDNN's
-`mkldnn._linear_pointwise` (the op torch's own CPU inductor emits) at 190-210 GFLOP/s: 1.6-2.4x faster, forward
-and both backward products, with fp32 accumulation (largest error against fp64 1.3e-4 on values of ~32; MKL
-6e-5). With a handful of rows (the sampling steps) oneDNN is the slower one (0.4-0.9x at 1 row), so layers keep
+(32-1,024 rows against 128 x 256 ... 3,072 x 1,024 weights) at ~90 GFLOP/s (make bench's roofline probe: 84-93),
+oneDNN's `mkldnn._linear_pointwise` (the op torch's own CPU inductor emits) 1.6-2.4x faster (bench/linear_probe.py
+--onednn), forward and both backward products, with fp32 accumulation (tests/test_cpu_linear.py: F.linear's
+outputs and gradients within 1e-4). With a handful of rows (the sampling steps) oneDNN is the slower one (0.4-0.9x at 1 row), so layers keep
 `F.linear` under `MIN_ROWS` rows. On Intel CPUs MKL runs its own AVX-512 kernels (not measured against oneDNN
 yet): there the one-time check decides.
 
