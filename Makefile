@@ -61,7 +61,7 @@ test-fast: install ## unit tests only
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
 	$(BIN)/python bench/run.py
 
-bench-real: install ## rlhf vs TRL 1.12 on Qwen3-0.6B's shape (random weights), LoRA, fp32 and bf16 where the CPU has bf16 units (~45-50 min on 2 cores, ~20 GB RAM)
+bench-real: install ## rlhf vs TRL 1.12 on Qwen3-0.6B's shape (random weights), LoRA, fp32 and bf16 where the CPU has bf16 units (~40-50 min on 2 cores, ~20 GB RAM)
 	$(BIN)/python bench/run.py --real
 
 real-check: install ## the qwen3-0.6b recipe on Qwen3-0.6B's exact shape (random weights), bf16, CPU: every stage (~10 min)

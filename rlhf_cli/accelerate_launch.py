@@ -10,6 +10,7 @@ the same work.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # its "failed (exitcode: N) local_rank: ..." record would repeat what `rlhf` reports in its one line
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     args = launch_command_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         launch_command(args)

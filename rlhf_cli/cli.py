@@ -100,7 +100,12 @@ def _partition(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def fail(command: str, message: str, code: int = 2) -> None:
-    print(f"rlhf{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+    """The one-line error and exit `code`; a process started by a multi-process run leaves the line to the
+    process that launched it, which reports the run's errors once."""
+    from rlhf_cli import launch
+
+    if not launch.record_error(message):
+        print(f"rlhf{' ' + command if command else ''}: error: {message}", file=sys.stderr)
     sys.exit(code)
 
 

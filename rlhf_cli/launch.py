@@ -14,6 +14,10 @@ and on Linux the launcher and each started process get SIGTERM from the kernel w
 of SIGKILL (`prctl(PR_SET_PDEATHSIG)`). Collectives give up after `device.collective_timeout_s`, so a process
 whose peer is gone ends with an error instead of waiting.
 
+A started process that fails leaves its one-line error in a folder the launching process made (`ERRORS_ENV`)
+instead of printing it; the launching process reports the run's error once: the message alone when every
+process failed the same way, else each message with the ranks that gave it.
+
 Kept import-light: torch is imported only to count GPUs for `device.num_processes=auto`.
 """
 
@@ -25,6 +29,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from rlhf_cli.errors import RlhfError
@@ -41,6 +46,8 @@ _INJECTED = ("hydra.searchpath=", "command=")
 PARENT_ENV = "RLHF_LAUNCH_PARENT_PID"
 # received by the launching process and passed on to the launcher's process group
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+# the folder (made by the launching process) where each started process of this machine leaves its error line
+ERRORS_ENV = "RLHF_LAUNCH_ERRORS"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
 # after asking the launcher to stop: how long to wait before killing it (torch's agent gives its workers 30 s)
 STOP_GRACE_S = 40.0
@@ -374,10 +381,62 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
         if importlib.util.find_spec("deepspeed") is None:
             raise RlhfError(f"device={cfg.device.name} needs DeepSpeed: pip install '.[deepspeed]' "
                             "(or pip install deepspeed)")
-    log.info("launching %d process(es) per machine: %s", num_processes(cfg.device), line)
+    n = num_processes(cfg.device)
+    log.info("launching %d process(es) per machine: %s", n, line)
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return run_launcher(quiet_launch_argv(argv), env)
+    with tempfile.TemporaryDirectory(prefix="rlhf-errors-") as errors:
+        rc = run_launcher(quiet_launch_argv(argv), {**env, ERRORS_ENV: errors})
+        message = launch_errors(errors, n) if rc else None
+    if message:
+        raise LaunchFailed(message, rc)
+    return rc
+
+
+class LaunchFailed(RlhfError):
+    """The started processes failed: their errors in one line; exit with the launcher's code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def record_error(message: str) -> bool:
+    """In a process started by `handle`: leave `message` for the launching process to report (True). False
+    anywhere else (not started by rlhf, or the folder is gone): the caller prints it itself."""
+    folder = os.environ.get(ERRORS_ENV)
+    if not folder or not is_launched():
+        return False
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    path = Path(folder) / f"rank-{rank}"
+    try:
+        part = path.with_name(path.name + ".part")
+        part.write_text(message, encoding="utf-8")
+        os.replace(part, path)
+    except OSError:
+        return False
+    return True
+
+
+def launch_errors(folder: str | Path, processes: int) -> str | None:
+    """The errors the started processes left in `folder` as one line (None: none left one). The message alone
+    when all `processes` failed with it; otherwise each distinct message after the ranks that gave it."""
+    ranks: dict[str, list[int]] = {}
+    for path in Path(folder).glob("rank-*"):
+        number = path.name[len("rank-"):]
+        if number.isdigit():
+            message = path.read_text(encoding="utf-8").strip()
+            ranks.setdefault(message, []).append(int(number))
+    if not ranks:
+        return None
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) >= processes:
+        return next(iter(ranks))
+    parts = []
+    for message, rs in sorted(ranks.items(), key=lambda item: min(item[1])):
+        rs = sorted(rs)
+        who = f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+        parts.append(f"{who}: {message}")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------- process lifetime

@@ -372,3 +372,46 @@ def test_exit_codes_and_the_failure_line():
     assert launch.exit_code(-15) == 143 and launch.exit_code(3) == 3 and launch.exit_code(0) == 0
     assert "stopped by SIGTERM (exit 143)" in _launch_failure(143)
     assert "failed (exit 1)" in _launch_failure(1)
+
+
+def test_started_processes_leave_their_errors_and_the_run_reports_them_once(tmp_path, monkeypatch, capsys):
+    from rlhf_cli.cli import fail
+
+    monkeypatch.setenv(launch.ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            fail("ppo", "ppo.policy_dir=/x: no model there; run rlhf sft first")
+        assert stop.value.code == 2
+    assert capsys.readouterr().err == ""  # left for the launching process, not printed by each rank
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0", "rank-1"]
+    # both failed the same way: the message once
+    assert launch.launch_errors(tmp_path, 2) == "ppo.policy_dir=/x: no model there; run rlhf sft first"
+    # one of two failed: it is named
+    (tmp_path / "rank-0").unlink()
+    assert launch.launch_errors(tmp_path, 2) == "rank 1: ppo.policy_dir=/x: no model there; run rlhf sft first"
+    # different messages: each after its ranks, in rank order; a half-written file is not read
+    (tmp_path / "rank-0").write_text("out of memory\n")
+    (tmp_path / "rank-2").write_text("out of memory")
+    (tmp_path / "rank-3.part").write_text("half")
+    assert launch.launch_errors(tmp_path, 4) == \
+        "ranks 0, 2: out of memory; rank 1: ppo.policy_dir=/x: no model there; run rlhf sft first"
+    assert launch.launch_errors(tmp_path / "none", 2) is None
+
+
+def test_errors_are_printed_where_no_launching_process_collects_them(tmp_path, monkeypatch, capsys):
+    from rlhf_cli.cli import fail
+
+    monkeypatch.delenv(launch.ERRORS_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        fail("sft", "bad")
+    assert capsys.readouterr().err == "rlhf sft: error: bad\n"
+    # started by a plain `accelerate launch` (the dry-run line), or the folder is gone: print it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(launch.ERRORS_ENV, str(tmp_path / "gone"))
+    with pytest.raises(SystemExit):
+        fail("sft", "bad")
+    assert capsys.readouterr().err == "rlhf sft: error: bad\n"
+    assert not launch.record_error("bad")

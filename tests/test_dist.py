@@ -293,8 +293,11 @@ def test_a_failing_started_process_ends_the_run_with_its_one_line_error(chain):
     missing = root / "no-such-policy"
     rc, out, err = rlhf(root, "ppo", *DDP, f"ppo.policy_dir={missing}", f"ppo.output_dir={run / 'ppo-failed'}")
     assert rc == 2, err[-3000:]  # the started processes' exit code (a configuration error), not the launcher's 1
-    assert str(missing) in err and "the launched processes failed (exit 2)" in err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and str(missing) in errors[0], err[-3000:]  # both ranks failed alike: said once
+    assert not errors[0].split(": error: ", 1)[1].startswith("rank"), errors  # by every process: no rank named
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert "failed (exitcode" not in err, err[-3000:]  # torch's agent does not report it again
     assert not (run / "ppo-failed").exists()
 
 
