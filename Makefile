@@ -1,11 +1,13 @@
 # rlhf: `make chain` runs the whole pipeline on the embedded tiny default; `make test` runs the tests.
 # RECIPE=NAME picks recipes/NAME.yaml; ARGS="key=value ..." passes Hydra overrides to every command.
+# TORCH_INDEX=URL installs torch from that wheel index (e.g. https://download.pytorch.org/whl/cpu for the CPU build).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 RECIPE ?= tiny
 ARGS ?=
+TORCH_INDEX ?=
 RLHF := $(BIN)/rlhf
 
 .PHONY: help install sft reward ppo eval chain chain-grpo chain-rule chat test test-fast bench bench-real real-check gpu-check dist clean
@@ -13,15 +15,17 @@ RLHF := $(BIN)/rlhf
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)'   recipes: tiny tiny-grpo tiny-rule qwen3-0.6b (rlhf recipes)"
+	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)' TORCH_INDEX='$(TORCH_INDEX)'   recipes: tiny tiny-grpo tiny-rule qwen3-0.6b (rlhf recipes)"
+	@echo "  CPU-only machine, first install: make chain TORCH_INDEX=https://download.pytorch.org/whl/cpu"
 
 install: $(VENV)/.installed ## create .venv with the project and its test tools
 
-# Without a GPU, torch comes from the CPU wheel (2.13.0) before anything can pull a multi-GB CUDA build.
+# Without nvidia-smi, torch 2.13.0 is installed first, from the default index (on Linux that is the CUDA build,
+# several GB) unless TORCH_INDEX names another (https://download.pytorch.org/whl/cpu: the CPU build).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); fi
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $@
 

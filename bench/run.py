@@ -17,7 +17,8 @@ What it does, in order:
   4. roofline: the fp32 matmul rate of this machine at that thread count (torch.matmul on square matrices),
      and the achieved GFLOP/s of a PPO update on the small workload for both sides.
   5. learning: bench/learning.py (demo task, equal episodes, both sides; RM score gain and polite rate).
-  6. bench/results/{speed,roofline,learning}.json and bench/results/README.md (the tables).
+  6. bench/results/{speed,roofline,learning}.json and bench/results/README.md (the tables; the prose that
+     explains them is the hand-written bench/results/NOTES.md, which this script never writes).
 """
 
 from __future__ import annotations
@@ -390,7 +391,10 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
     L = ["# PPO benchmark: rlhf vs TRL 1.12 PPOTrainer", ""]
     L += [f"Machine: {meta.get('machine', '?')}; torch threads per process: {meta.get('threads')}; "
           f"generated {meta.get('date', '?')} by `{meta.get('command', 'bench/run.py').strip()}` "
-          f"({meta.get('wall_min', '?')} min).", ""]
+          f"({meta.get('wall_min', '?')} min).", "",
+          "This file is generated from the JSON files beside it (`bench/run.py --report-only` rewrites it). What the "
+          "figures mean, where the difference comes from, earlier runs on other CPUs and the one-off probes' "
+          "measurements are in the hand-written [NOTES.md](NOTES.md).", ""]
     if speed_res:
         runs_meta = speed_res.get("settings", {})
         L += ["## Speed", "",
@@ -540,7 +544,7 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
 
 
 def real_section(res: dict) -> list[str]:
-    """The real workload's tables; the prose that explains them is in bench/results/README.md's header notes."""
+    """The real workload's tables; the prose that explains them is in bench/results/NOTES.md (hand-written)."""
     st, meta = res["settings"], res.get("meta", {})
     sh = st["shape"]
     loads = [r["loadavg_before"] for r in res["runs"]]

@@ -79,3 +79,28 @@ def test_report_renders_a_real_run_with_bf16_skipped():
     assert "bf16: not run here: this CPU has no bf16 matmul units" in md
     assert "| real lora bf16: rlhf ≥ 1.3× TRL 1.12, peak RSS ≤ 0.8× TRL's | not run: " in md
     assert "real lora fp32: rlhf ≥ 1.3× TRL 1.12 episodes/s" in md
+
+
+def test_generated_report_links_the_hand_written_notes():
+    """bench/run.py rewrites bench/results/README.md on every run; the prose that explains its figures lives in
+    NOTES.md beside it, which the generated header links and the generator never writes."""
+    md = _bench_run().markdown(None, None, None, {"threads": 1})
+    assert "[NOTES.md](NOTES.md)" in md
+    assert (BENCH / "results" / "NOTES.md").is_file()
+
+
+def test_probes_say_how_to_run_them_and_docs_name_existing_bench_files():
+    """Each one-off probe's docstring says what it measures and gives its own command line; every bench/ script
+    the user docs name exists."""
+    import ast
+    import re
+
+    probes = sorted((BENCH / "probes").glob("*.py"))
+    assert probes
+    for p in probes:
+        doc = ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or ""
+        assert f"bench/probes/{p.name}" in doc, f"{p.name}: its docstring gives no command line"
+    repo = BENCH.parent
+    for doc in (repo / "README.md", BENCH / "results" / "NOTES.md"):
+        for path in set(re.findall(r"\bbench/[\w/.-]+\.(?:py|sh)\b", doc.read_text(encoding="utf-8"))):
+            assert (repo / path).is_file(), f"{doc.name} names {path}, which does not exist"

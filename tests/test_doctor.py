@@ -17,7 +17,7 @@ from rlhf_cli import memory as M
 from rlhf_cli.config import compose
 
 QWEN = M.KNOWN_ARCHS["Qwen/Qwen3-0.6B"]
-PROBE = Path(__file__).with_name("rss_probe.py")
+PROBE = Path(__file__).resolve().parent.parent / "bench" / "probes" / "rss_probe.py"
 
 
 def tiny_arch():

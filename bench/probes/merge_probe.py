@@ -1,7 +1,8 @@
 """Sampling time of a LoRA policy with its adapter merged into copies of the weights and unmerged, alternating, on
-a random-init Qwen3 of the real width (bench for rlhf_cli.ppo.config.CPU_MERGE_MAX_BYTES).
+a random-init Qwen3 of the real width: the measurement behind rlhf_cli.accel.limits.CPU_MERGE_MAX_BYTES (on a
+CPU a LoRA policy samples merged only while its adapted weights are at most that large).
 
-    .venv/bin/python bench/merge_probe.py --layers 28 --dtype float32 --reps 3
+    .venv/bin/python bench/probes/merge_probe.py --layers 28 --dtype float32 --reps 3
 
 The merge is forced on and off by setting the threshold; batch 8, 53-token prompts, 32 sampled tokens, 1 thread.
 """
@@ -22,7 +23,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from rlhf_cli.ppo import rollout
+    from rlhf_cli.accel import sample_loop as loop
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -41,10 +42,10 @@ def main() -> None:
     cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     for rep in range(a.reps):
         for merged in (True, False):
-            rollout.CPU_MERGE_MAX_BYTES = 2**62 if merged else 0
+            loop.CPU_MERGE_MAX_BYTES = 2**62 if merged else 0
             t0 = time.perf_counter()
-            with cast, rollout.lora_merged(model) as m:
-                rollout.sample_loop(m, ids, mask, gen, [], 0.7)
+            with cast, loop.lora_merged(model) as m:
+                loop.sample_loop(m, ids, mask, gen, [], 0.7)
             print(f"{a.dtype} {a.layers} layers rep {rep + 1}: {'merged' if merged else 'unmerged'} "
                   f"{time.perf_counter() - t0:.2f} s", flush=True)
 

@@ -1,6 +1,7 @@
-"""Peak RSS growth of one `rlhf` stage in this process, for checking the doctor's memory plan.
+"""Peak RSS growth of one `rlhf` stage in this process, for checking the doctor's memory plan (run by
+tests/test_doctor.py::test_tiny_plans_within_20_percent_of_measured_rss; the calibration note in rlhf_cli/memory.py).
 
-    python tests/rss_probe.py ppo run_dir=... ppo.total_episodes=64   -> one JSON line on stdout
+    python bench/probes/rss_probe.py ppo run_dir=... ppo.total_episodes=64   -> one JSON line on stdout
 
 The baseline is taken after importing what the stage imports (torch, transformers with the Qwen3 model code,
 peft, accelerate, trl for sft/reward, TensorBoard), so the growth counts what the run allocates: models,

@@ -1,7 +1,8 @@
 """Resident memory of a command over time, split into anonymous and file-backed pages (/proc/PID/status), with the
-peak of each phase: `loading` until the log shows --mark-run, `running` after it.
+peak of each phase: `loading` until the log shows --mark-run, `running` after it (bench/results/NOTES.md: where
+the PPO stage of `make real-check` peaks above the doctor's plan).
 
-    .venv/bin/python bench/rss_trace.py --mark-run "ppo: " -- .venv/bin/rlhf ppo recipe=qwen3-0.6b ...
+    .venv/bin/python bench/probes/rss_trace.py --mark-run "ppo: " -- .venv/bin/rlhf ppo recipe=qwen3-0.6b ...
 
 Prints one JSON line: the exit code and, per phase, VmRSS / RssAnon / RssFile (MiB) at that phase's peak.
 """
@@ -24,11 +25,13 @@ def status(pid: int) -> dict:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--")
+    cut = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mark-run", required=True, help="log text that ends the loading phase")
     ap.add_argument("--interval", type=float, default=0.1)
     a = ap.parse_args(argv[:cut])
+    if not argv[cut + 1:]:
+        ap.error("give the command to trace after --")
     peaks: dict[str, dict] = {}
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         proc = subprocess.Popen(argv[cut + 1:], stdout=log, stderr=subprocess.STDOUT)

@@ -1,7 +1,8 @@
 """Python's garbage collections during one rlhf_side run: count and seconds per generation, and every full
-(generation 2) collection with its time relative to the first PPO update (the README's gc figure).
+(generation 2) collection with its time relative to the first PPO update: why rlhf forces no gc.collect() as
+TRL does (bench/results/NOTES.md: no full collection inside the loop).
 
-    .venv/bin/python bench/gc_probe.py --workload-dir bench/work/mid --variant lora --updates 4 \
+    .venv/bin/python bench/probes/gc_probe.py --workload-dir bench/work/mid --variant lora --updates 4 \
         --response-length 64 --threads 1 --out r.json
 
 Arguments go to bench/rlhf_side.py.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for rlhf_side and memtrace
     from rlhf_cli.ppo import trainer
 
     count, seconds, full, start, loop = [0, 0, 0], [0.0, 0.0, 0.0], [], [0.0], [None]

@@ -1,9 +1,11 @@
-"""Operator profile of one PPO update of the rlhf side (torch profiler, CPU), for the README's "where the time goes".
+"""Operator profile of one PPO update of the rlhf side (torch profiler, CPU): where the time of the PPO epochs (or
+of sampling and scoring) goes, by operator (bench/results/NOTES.md cites its tables).
 
-    .venv/bin/python bench/profile_ppo.py --update 1 -- --workload-dir bench/work/real --variant lora --updates 1 \
-        --response-length 32 --threads 1 --precision fp32 --episodes-per-update 8 --micro-batch 2 --out r.json
-    .venv/bin/python bench/profile_ppo.py --update 2 -- --workload-dir bench/work/mid --variant lora --updates 2 \
-        --response-length 64 --threads 1 --out r.json
+    .venv/bin/python bench/probes/profile_ppo.py --update 1 -- --workload-dir bench/work/real --variant lora \
+        --updates 1 --response-length 32 --threads 1 --precision fp32 --episodes-per-update 8 --micro-batch 2 \
+        --out r.json
+    .venv/bin/python bench/probes/profile_ppo.py --update 2 -- --workload-dir bench/work/mid --variant lora \
+        --updates 2 --response-length 64 --threads 1 --out r.json
 
 Everything after `--` goes to bench/rlhf_side.py. The PPO epochs (`PPOTrainer.update`) of update --update are
 profiled, or with --phase experience its sampling and scoring (`make_experience`); the table (sorted by self CPU
@@ -18,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for rlhf_side and memtrace
 
 
 def main(argv=None) -> int:

@@ -1,13 +1,13 @@
-"""Time of a linear layer over a few rows as F.linear (x·Wᵀ) and as W·xᵀ, for rlhf_cli.ppo.rollout.weight_first;
-with --onednn, F.linear against oneDNN's linear (rlhf_cli.ppo.cpu_linear) in fp32, forward and both backward
-products, over the update's row counts.
+"""Time of a linear layer over a few rows as F.linear (x·Wᵀ) and as W·xᵀ, for the sampling loop's `weight_first`
+rules (rlhf_cli/accel/); with --onednn, F.linear against oneDNN's linear (rlhf_cli.accel.cpu_linear) in fp32,
+forward and both backward products, over the update's row counts.
 
-    .venv/bin/python bench/linear_probe.py [--dtypes float32 bfloat16]
-    .venv/bin/python bench/linear_probe.py --onednn
+    .venv/bin/python bench/probes/linear_probe.py [--dtypes float32 bfloat16]
+    .venv/bin/python bench/probes/linear_probe.py --onednn
 
 Prints, per weight shape and row count, time(F.linear) / time(the other): above 1, the other is faster. Shapes:
 Qwen3-0.6B's linear layers (rows 2-16: its sampling batch) and the bench's mid and small workloads (rows 8-64);
-best of 3 timings, 1 thread.
+best of 3 timings, 1 thread. Figures measured with it: bench/results/NOTES.md.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
 
 def onednn(torch) -> None:
     """fp32 F.linear (and the two backward products as torch.mm) against oneDNN's, per shape and row count."""
-    from rlhf_cli.ppo.cpu_linear import _mm_t, available
+    from rlhf_cli.accel.cpu_linear import _mm_t, available
 
     if not available():
         raise SystemExit("this torch has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")

@@ -1,13 +1,15 @@
-"""Sampling time of rlhf's loop (rlhf_cli.ppo.rollout.sample_loop) as shipped, with transformers' stock KV cache
-instead of the preallocated one, and without the W·xᵀ sampling steps, alternating, on random-init Qwen3 models.
+"""Sampling time of rlhf's fast loop (rlhf_cli.accel.sample_loop.sample_loop) as shipped, with transformers' stock
+KV cache instead of the preallocated one, and without the W·xᵀ sampling steps, alternating, on random-init Qwen3
+models.
 
-    .venv/bin/python bench/sampling_probe.py --shape mid --dtype float32 --reps 3
-    .venv/bin/python bench/sampling_probe.py --shape real --dtype bfloat16 --reps 2
+    .venv/bin/python bench/probes/sampling_probe.py --shape mid --dtype float32 --reps 3
+    .venv/bin/python bench/probes/sampling_probe.py --shape real --dtype bfloat16 --reps 2
 
 mid: hidden 256, 4 layers, vocabulary 1,500, batch 32, 24-token prompts, 64 sampled tokens (the bench's mid
-workload). Prompts are left-padded to the longest, 60-100% of it real tokens. real: Qwen3-0.6B's shape with a LoRA r 8 adapter on every linear layer (unmerged, as a CPU samples
-it), batch 8, 53-token prompts, 32 sampled tokens. 1 thread; every variant draws the same tokens from the same
-seed, which the probe checks.
+workload). Prompts are left-padded to the longest, 60-100% of it real tokens. real: Qwen3-0.6B's shape with a
+LoRA r 8 adapter on every linear layer (unmerged, as a CPU samples it), batch 8, 53-token prompts, 32 sampled
+tokens. 1 thread; every variant draws the same tokens from the same
+seed, which the probe checks. Figures measured with it: bench/results/NOTES.md.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import DynamicCache, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from rlhf_cli.ppo import rollout
+    from rlhf_cli.accel import sample_loop as loop
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -53,7 +55,7 @@ def main() -> None:
     gen = GenerationConfig(max_new_tokens=spec["tokens"], do_sample=True, temperature=0.7, top_k=0,
                            pad_token_id=0, eos_token_id=None)
     cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    shipped_cache, shipped_rule = rollout.preallocated_cache, rollout.weight_first
+    shipped_cache, shipped_rule = loop.preallocated_cache, loop.weight_first
     variants = {
         "as shipped": (shipped_cache, shipped_rule),
         "stock KV cache": (lambda m, capacity: DynamicCache(config=m.config), shipped_rule),
@@ -62,14 +64,14 @@ def main() -> None:
     tokens = {}
     for rep in range(a.reps):
         for name, (cache, rule) in variants.items():
-            rollout.preallocated_cache, rollout.weight_first = cache, rule
+            loop.preallocated_cache, loop.weight_first = cache, rule
             torch.manual_seed(1)
             t0 = time.perf_counter()
-            with cast, torch.no_grad(), rollout.lora_merged(model) as m:
-                out = rollout.sample_loop(m, ids, mask, gen, [], 0.7)
+            with cast, torch.no_grad(), loop.lora_merged(model) as m:
+                out = loop.sample_loop(m, ids, mask, gen, [], 0.7)
             print(f"{a.shape} {a.dtype} rep {rep + 1}: {name:15s} {time.perf_counter() - t0:.3f} s", flush=True)
             tokens.setdefault(name, out["response"])
-    rollout.preallocated_cache, rollout.weight_first = shipped_cache, shipped_rule
+    loop.preallocated_cache, loop.weight_first = shipped_cache, shipped_rule
     same = all(torch.equal(t, tokens["as shipped"]) for t in tokens.values())
     print(f"same tokens in every variant: {same}")
 
