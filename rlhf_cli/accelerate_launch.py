@@ -1,11 +1,11 @@
-"""`accelerate launch` as rlhf runs it: the same arguments and processes, but when a started process fails, the
-launcher exits with that process's exit code (`rlhf` then adds its one line) instead of printing its own Python
-traceback (torch's `ChildFailedError` report) under the process's one-line error.
+"""`accelerate launch` as rlhf runs it: the same arguments and processes, but when a started process fails,
+the launcher exits with that process's exit code (`rlhf` then adds its one line) instead of printing its own
+Python traceback (torch's `ChildFailedError` report) under the process's one-line error.
 
     python -m rlhf_cli.accelerate_launch <accelerate launch arguments>
 
-`rlhf_cli.launch.handle` runs this; `rlhf ... dry_run=true` prints the plain `accelerate launch` line, which does
-the same work.
+`rlhf_cli.supervise.handle` runs this; `rlhf ... dry_run=true` prints the plain `accelerate launch` line,
+which does the same work.
 """
 
 from __future__ import annotations

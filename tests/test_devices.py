@@ -17,7 +17,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlhf_cli import launch
+from rlhf_cli import launch, supervise
 from rlhf_cli.config import CONF_DIR, compose
 from rlhf_cli.errors import RlhfError
 
@@ -189,16 +189,16 @@ def test_unsupported_combinations_fail_fast(run_cli, args, needle):
 
 def test_launched_processes_do_not_launch_again(monkeypatch, tmp_path, capsys):
     cfg = compose("sft", ["device=cpu-ddp", "dry_run=true"])
-    assert launch.handle(cfg, ["device=cpu-ddp"], tmp_path) == 0  # the launching process: prints the line
+    assert supervise.handle(cfg, ["device=cpu-ddp"], tmp_path) == 0  # the launching process: prints the line
     assert "--multi_gpu" in capsys.readouterr().out
     armed = []
-    monkeypatch.setattr(launch, "die_with_launcher", lambda: armed.append(1))  # not on the test process
+    monkeypatch.setattr(supervise, "die_with_launcher", lambda: armed.append(1))  # not on the test process
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert launch.handle(cfg, ["device=cpu-ddp"], tmp_path) is None  # a started process: runs the stage
+    assert supervise.handle(cfg, ["device=cpu-ddp"], tmp_path) is None  # a started process: runs the stage
     assert armed  # ... and ends when its launcher does
     with pytest.raises(RlhfError, match="ppo runs under ddp"):
-        launch.handle(compose("ppo", ["device=zero2"]), [], tmp_path)  # still checked in each process
+        supervise.handle(compose("ppo", ["device=zero2"]), [], tmp_path)  # still checked in each process
 
 
 def test_child_overrides_drop_what_the_dispatcher_adds():
@@ -272,7 +272,7 @@ def test_bad_collective_timeout_is_one_line(value, run_cli):
 _LAUNCHER = """
 import os, subprocess, sys, time
 ready, with_helper = sys.argv[1], sys.argv[2] == "helper"
-worker = "import os, sys, time; from rlhf_cli import launch; launch.die_with_launcher(); " \\
+worker = "import os, sys, time; from rlhf_cli import supervise; supervise.die_with_launcher(); " \\
          "open(sys.argv[1] + '.tmp', 'w').write('armed'); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); " \\
          "time.sleep(900)"
 subprocess.Popen([sys.executable, "-c", worker, ready + "/worker"], start_new_session=True,
@@ -282,8 +282,8 @@ if with_helper:
     subprocess.Popen([sys.executable, "-c", helper, ready + "/helper"])
 time.sleep(900)
 """
-_RLHF = ("import os, sys; from rlhf_cli import launch; "
-         "sys.exit(launch.run_launcher(sys.argv[1:], dict(os.environ)))")
+_RLHF = ("import os, sys; from rlhf_cli import supervise; "
+         "sys.exit(supervise.run_launcher(sys.argv[1:], dict(os.environ)))")
 
 
 def _gone(p: psutil.Process) -> bool:
@@ -369,7 +369,7 @@ def test_killing_rlhf_outright_ends_the_launcher_and_its_workers(spawned, tmp_pa
 def test_exit_codes_and_the_failure_line():
     from rlhf_cli.cli import _launch_failure
 
-    assert launch.exit_code(-15) == 143 and launch.exit_code(3) == 3 and launch.exit_code(0) == 0
+    assert supervise.exit_code(-15) == 143 and supervise.exit_code(3) == 3 and supervise.exit_code(0) == 0
     assert "stopped by SIGTERM (exit 143)" in _launch_failure(143)
     assert "failed (exit 1)" in _launch_failure(1)
 
@@ -377,7 +377,7 @@ def test_exit_codes_and_the_failure_line():
 def test_started_processes_leave_their_errors_and_the_run_reports_them_once(tmp_path, monkeypatch, capsys):
     from rlhf_cli.cli import fail
 
-    monkeypatch.setenv(launch.ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv(supervise.ERRORS_ENV, str(tmp_path))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     for rank in ("0", "1"):
@@ -388,30 +388,31 @@ def test_started_processes_leave_their_errors_and_the_run_reports_them_once(tmp_
     assert capsys.readouterr().err == ""  # left for the launching process, not printed by each rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0", "rank-1"]
     # both failed the same way: the message once
-    assert launch.launch_errors(tmp_path, 2) == "ppo.policy_dir=/x: no model there; run rlhf sft first"
+    assert supervise.launch_errors(tmp_path, 2) == "ppo.policy_dir=/x: no model there; run rlhf sft first"
     # one of two failed: it is named
     (tmp_path / "rank-0").unlink()
-    assert launch.launch_errors(tmp_path, 2) == "rank 1: ppo.policy_dir=/x: no model there; run rlhf sft first"
+    assert supervise.launch_errors(tmp_path, 2) == \
+        "rank 1: ppo.policy_dir=/x: no model there; run rlhf sft first"
     # different messages: each after its ranks, in rank order; a half-written file is not read
     (tmp_path / "rank-0").write_text("out of memory\n")
     (tmp_path / "rank-2").write_text("out of memory")
     (tmp_path / "rank-3.part").write_text("half")
-    assert launch.launch_errors(tmp_path, 4) == \
+    assert supervise.launch_errors(tmp_path, 4) == \
         "ranks 0, 2: out of memory; rank 1: ppo.policy_dir=/x: no model there; run rlhf sft first"
-    assert launch.launch_errors(tmp_path / "none", 2) is None
+    assert supervise.launch_errors(tmp_path / "none", 2) is None
 
 
 def test_errors_are_printed_where_no_launching_process_collects_them(tmp_path, monkeypatch, capsys):
     from rlhf_cli.cli import fail
 
-    monkeypatch.delenv(launch.ERRORS_ENV, raising=False)
+    monkeypatch.delenv(supervise.ERRORS_ENV, raising=False)
     with pytest.raises(SystemExit):
         fail("sft", "bad")
     assert capsys.readouterr().err == "rlhf sft: error: bad\n"
     # started by a plain `accelerate launch` (the dry-run line), or the folder is gone: print it
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv(launch.ERRORS_ENV, str(tmp_path / "gone"))
+    monkeypatch.setenv(supervise.ERRORS_ENV, str(tmp_path / "gone"))
     with pytest.raises(SystemExit):
         fail("sft", "bad")
     assert capsys.readouterr().err == "rlhf sft: error: bad\n"
-    assert not launch.record_error("bad")
+    assert not supervise.record_error("bad")

@@ -210,7 +210,7 @@ def test_multirun_reports_failed_jobs_and_goes_on(run_cli, tmp_path):
 
 
 def test_headline_metrics_by_command(tmp_path):
-    from rlhf_cli.cli import headline, summary_lines
+    from rlhf_cli.multirun import headline, summary_lines
 
     (tmp_path / "metrics.json").write_text(json.dumps({"eval_loss_end": 1.5, "eval_accuracy": 0.75,
                                                        "objective/scores": 0.25}))
