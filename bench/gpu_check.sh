@@ -4,6 +4,8 @@
 # eval -> export -> chat. Prints per stage wall time and peak RSS, and per PPO phase (generation, scoring,
 # training) seconds and response tokens/s, episodes/s and peak GPU memory beside `rlhf doctor`'s plan.
 #
+# First the GPU tests (-m gpu): the speed paths give the same numbers as the stock code on CUDA.
+#
 #   bash bench/gpu_check.sh [RUN_DIR]        # ~5 min on one H100/H200-class GPU; nothing in CI needs a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +16,8 @@ if [ ! -x .venv/bin/rlhf ]; then
   .venv/bin/pip install -q -e .   # a CUDA build of torch comes with the GPU machine's default wheel
 fi
 .venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name(0))"
+# the speed paths of rlhf_cli/accel against the stock code on this GPU (device.fast_paths=on vs off): the same
+# numbers are what a path needs before `auto` may turn it on for CUDA (rlhf_cli.accel.PROVEN_ON)
+.venv/bin/python -m pytest -q -m gpu tests/test_fast_paths.py
 exec .venv/bin/python bench/real_check.py --device cuda --precision bf16 --recipe-batches --response-length 200 \
   --run-dir "$RUN_DIR"

@@ -256,9 +256,13 @@ def main(argv=None) -> int:
     captured: dict = {}
 
     def on_train_start(trainer):
-        emb = trainer.sparse_emb  # a value embedding stepped by rows still trains all of its rows
+        # a value embedding stepped by rows (rlhf_cli.accel.sparse_rows: its weight out of autograd, its lookup
+        # swapped) still trains all of its rows
+        value = trainer.value_model()
+        emb = value.get_input_embeddings() if value is not None else None
+        rows = emb is not None and not emb.weight.requires_grad and "forward" in emb.__dict__
         captured["trainable"] = sum(q.numel() for q in trainer.pol_params + trainer.val_params) + \
-            (emb.weight.numel() if emb else 0)
+            (emb.weight.numel() if rows else 0)
 
     def on_update_start(update):
         stamps.append(time.perf_counter())

@@ -36,3 +36,20 @@ def run_cli(tmp_path):
         return proc.returncode, proc.stdout, proc.stderr
 
     return run
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory):
+    """A tiny random Qwen3 (vocabulary 600, hidden 32, one layer) with its tokenizer, for library tests."""
+    from rlhf_cli.tiny import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("base") / "base", vocab_size=600, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def tok(base):
+    from rlhf_cli.models import load_tokenizer
+
+    return load_tokenizer(base)

@@ -1,4 +1,4 @@
-"""oneDNN linear layers (rlhf_cli.ppo.cpu_linear): the same outputs and gradients as F.linear on numbers checkable by
+"""oneDNN linear layers (rlhf_cli.accel.cpu_linear): the same outputs and gradients as F.linear on numbers checkable by
 hand and on random ones, the inputs that keep F.linear, the mode switch, and installing on a model (with the
 sampling steps' W·xᵀ layers on top)."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf_cli.ppo import cpu_linear as cl
-from rlhf_cli.ppo import rollout as ro
+from rlhf_cli.accel import cpu_linear as cl
+from rlhf_cli.accel import sample_loop as ro
 
 pytestmark = pytest.mark.skipif(not cl.available(), reason="this torch has no oneDNN linear")
 
@@ -171,7 +171,7 @@ def test_weight_first_layers_on_top_and_put_back(onednn, monkeypatch):
 
 @pytest.mark.parametrize("rows", [cl.MIN_ROWS - 1, 96])
 def test_fused_lora_function_same_with_onednn(rows, onednn):
-    from rlhf_cli.ppo.fused import LoraLinearFunction
+    from rlhf_cli.accel.fused import LoraLinearFunction
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, 32, generator=gen, requires_grad=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf_cli.ppo import fused
+from rlhf_cli.accel import fused
 
 pytestmark = pytest.mark.skipif(fused._OP is None, reason="this torch has no fused RMSNorm kernel")
 
@@ -115,7 +115,7 @@ def _lora_model():
 
 
 def test_switched_lora_layers_give_peft_outputs_and_gradients():
-    from rlhf_cli.ppo import rollout
+    from rlhf_cli.accel import sample_loop as rollout
 
     a = _lora_model()
     b = copy.deepcopy(a)

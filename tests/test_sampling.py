@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo import rollout as ro
+from rlhf_cli.accel import sample_loop as ro
+from rlhf_cli.ppo import forward as fw
+from rlhf_cli.ppo import sampling
 
 PAD, EOS, V = 0, 1, 40
 
@@ -42,7 +44,7 @@ def test_greedy_matches_generate(model):
     ids, mask = prompts()
     g = gen_config(do_sample=False, temperature=None, top_k=None, top_p=None)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=g)
-    r = ro.sample_loop(model, ids, mask, ro._effective_generation_config(model, g), [EOS], keep_logits=True)
+    r = ro.sample_loop(model, ids, mask, ro.effective_generation_config(model, g), [EOS], keep_logits=True)
     resp, logits = r["response"], r["logits"]
     ref = out.sequences[:, ids.shape[1]:]
     assert torch.equal(resp, ref[:, : resp.shape[1]])
@@ -59,8 +61,8 @@ def test_stop_pads_after_the_stop_token_and_ends_early(model):
     try:
         resp = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=6), [EOS], 0.7)["response"]
         assert resp.shape == (3, 1) and resp[:, 0].tolist() == [EOS] * 3
-        out = ro.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask, gen_config(max_new_tokens=6),
-                                [EOS], 0.7, None)
+        out = sampling.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask,
+                                      gen_config(max_new_tokens=6), [EOS], 0.7, None, engine_name="loop")
         assert out["response"].tolist() == [[EOS]] * 3 and out["mask"].tolist() == [[1.0]] * 3
         # fixed length (no stop token): EOS is masked for min_new_tokens steps, the loop runs to the end
         r = ro.sample_loop(model, ids, mask, gen_config(max_new_tokens=6, min_new_tokens=6), [], 0.7,
@@ -92,7 +94,7 @@ def test_sampled_tokens_follow_the_logits(model):
     # the logits are those of a full forward over prompt + response (the old log-probs of PPO)
     full = torch.cat([ids, resp], 1)
     am = torch.cat([mask, torch.ones_like(resp)], 1)
-    torch.testing.assert_close(ro.policy_logits(model, full, am, ro.position_ids_from(am), 5), logits,
+    torch.testing.assert_close(fw.policy_logits(model, full, am, core.position_ids_from(am), 5), logits,
                                atol=1e-5, rtol=1e-5)
 
 
@@ -152,8 +154,10 @@ def test_lora_merged_sampling_matches_the_adapter_and_restores_weights(model):
 def test_generate_chunk_falls_back_to_generate_for_other_settings(model):
     ids, mask = prompts()
     g = gen_config(max_new_tokens=4, repetition_penalty=1.3)
-    assert not ro._loop_supported(ro._effective_generation_config(model, g))
-    out = ro.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask, g, [EOS], 0.7, None)
+    assert not ro.supported(ro.effective_generation_config(model, g))
+    assert ro.sample(model, ids, mask, g, [EOS], 0.7, None) is None  # the loop declines ...
+    out = sampling.generate_chunk(model, type("T", (), {"pad_token_id": PAD})(), ids, mask, g, [EOS], 0.7, None,
+                                  engine_name="loop")  # ... and generate() runs
     assert out["response"].shape[0] == 3 and out["logprobs"].shape == out["entropy"].shape
 
 
@@ -240,7 +244,7 @@ def test_preallocated_cache_gives_the_stock_cache_logits(model, monkeypatch):
     torch.testing.assert_close(runs["stock"]["logits"], runs["filled"]["logits"], atol=0, rtol=0)
     # a cache sized too small grows (keeping what it holds) instead of failing
     small, stock = ro.preallocated_cache(model, 2), DynamicCache(config=model.config)
-    pos = ro.position_ids_from(mask)
+    pos = core.position_ids_from(mask)
     outs = [model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c, use_cache=True).logits
             for c in (small, stock)]
     for step in range(7):  # past the first buffer (2 x the prompt): it grows once
@@ -262,7 +266,7 @@ def test_weight_first_rule(monkeypatch):
     assert ro.weight_first(2, w32.bfloat16()) and not ro.weight_first(16, w32.half())
     # Zen 2: fp32 only, weights of 2 M values and more (Qwen3-0.6B's MLP, LM head), 4-16 rows
     head, mlp = torch.zeros(1, 1).expand(151936, 1024), torch.zeros(1, 1).expand(3072, 1024)
-    monkeypatch.setattr(ro, "weight_first_cpu", lambda: "zen2")
+    monkeypatch.setattr(ro, "weight_first_cpu", lambda: "amd-f23")
     assert all(ro.weight_first(r, w) for r in (4, 8, 16) for w in (head, mlp))
     assert not any(ro.weight_first(r, w) for r in (2, 32) for w in (head, mlp))
     assert not any(ro.weight_first(r, w) for r in (4, 8, 16) for w in (w32, big32, mlp.bfloat16()))
@@ -270,7 +274,7 @@ def test_weight_first_rule(monkeypatch):
     monkeypatch.setattr(ro, "weight_first_cpu", lambda: None)
     assert not any(ro.weight_first(r, w) for r in (2, 8, 16, 48) for w in (w32, big32, w32.bfloat16(), head))
     monkeypatch.undo()
-    assert ro.weight_first_cpu() in ("amx", "zen2", None)
+    assert ro.weight_first_cpu() in ("amx", "amd-f23", None)
 
 
 @torch.no_grad()
@@ -289,7 +293,7 @@ def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(m
     assert all("forward" not in m.__dict__ for m in model.modules())  # put back
     full = torch.cat([ids, r["response"]], 1)
     am = torch.cat([mask, torch.ones_like(r["response"])], 1)
-    torch.testing.assert_close(ro.policy_logits(model, full, am, ro.position_ids_from(am), 5), r["logits"],
+    torch.testing.assert_close(fw.policy_logits(model, full, am, core.position_ids_from(am), 5), r["logits"],
                                atol=1e-5, rtol=1e-5)
     x = torch.randn(16, 1, model.config.hidden_size)
     lin = model.model.layers[0].mlp.up_proj
@@ -318,11 +322,11 @@ def _llama_like(kind: str):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
 @torch.no_grad()
 def test_one_token_decoder_gives_the_stock_forward_logits(kind):
-    from rlhf_cli.ppo.decode import Decoder
+    from rlhf_cli.accel.decode import Decoder
 
     m = _llama_like(kind)
     ids, mask = prompts()
-    pos = ro.position_ids_from(mask)
+    pos = core.position_ids_from(mask)
     caches = [ro.preallocated_cache(m, 16), ro.preallocated_cache(m, 16)]
     logits = [m(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c, use_cache=True).logits[:, -1]
               for c in caches]
@@ -358,7 +362,7 @@ def test_one_token_decoder_only_takes_plain_weights(model):
 
     from peft import LoraConfig, get_peft_model
 
-    from rlhf_cli.ppo.decode import Decoder
+    from rlhf_cli.accel.decode import Decoder
 
     cache = ro.preallocated_cache(model, 8)
     assert Decoder.of(model, cache) is not None

@@ -1,4 +1,4 @@
-"""The value model's embedding trained through the rows tokens reach (rlhf_cli/ppo/sparse_rows.py) gives the weights
+"""The value model's embedding trained through the rows tokens reach (rlhf_cli/accel/sparse_rows.py) gives the weights
 that AdamW over the dense matrix gives: same steps, same clipping, rows that drop out of a batch keep moving with
 their momentum, untouched rows never move, and a checkpoint round trip continues the same run."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint
-from rlhf_cli.ppo.sparse_rows import RowSparseEmbedding
+from rlhf_cli.accel.sparse_rows import RowSparseEmbedding
 from rlhf_cli.ppo.trainer import adamw
 
 V, D, PAD = 50, 8, 0
@@ -50,8 +50,10 @@ def _batches(step: int) -> list[torch.Tensor]:
 
 
 def _train(net: Net, sparse: bool, steps: range, opt_state: dict | None = None, fused: bool = True):
+    """AdamW over the net, as the trainer runs it: the row-sparse embedding joins the optimizer through `attach`,
+    its gradient is summed during the backward, written back after each step and rebuilt after a state load."""
     rows = RowSparseEmbedding(net.embed) if sparse else None
-    params = [p for p in net.parameters() if p.requires_grad] + ([rows.param] if rows else [])
+    params = [p for p in net.parameters() if p.requires_grad]
     from accelerate.utils import DistributedType
 
     acc = _Acc()
@@ -62,18 +64,12 @@ def _train(net: Net, sparse: bool, steps: range, opt_state: dict | None = None, 
         rows.attach(opt)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-        if rows:
-            rows.after_load()
     for step in steps:
         for ids in _batches(step):
             (net(ids).pow(2).mean() / 3).backward()
-        if rows:
-            rows.gather_grad()
-        trainable = [p for p in net.parameters() if p.requires_grad] + ([rows.param] if rows else [])
+        trainable = [p for g in opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
         opt.step()
-        if rows:
-            rows.write_back()
         opt.zero_grad(set_to_none=True)
     return opt, rows
 

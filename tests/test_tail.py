@@ -1,4 +1,4 @@
-"""The last decoder layer run on the read positions only (rlhf_cli.ppo.tail): the same logits, values, scores
+"""The last decoder layer run on the read positions only (rlhf_cli.accel.tail): the same logits, values, scores
 and gradients as the whole-sequence forward, and the stock forward wherever the span does not apply."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from rlhf_cli.ppo import rollout as ro
-from rlhf_cli.ppo import tail
+from rlhf_cli.ppo import forward as fw
+from rlhf_cli.ppo import core
+from rlhf_cli.accel import tail
 
 V, PAD, EOS = 40, 0, 1
 
@@ -58,7 +59,7 @@ def _batch(padded: bool = True):
         mask[2, :1] = 0
         mask[1, -2:] = 0
         ids[mask == 0] = PAD
-    return ids, mask, ro.position_ids_from(mask)
+    return ids, mask, core.position_ids_from(mask)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
@@ -74,7 +75,7 @@ def test_policy_logits_and_gradients_equal_the_whole_sequence_forward(kind, attn
     ours.model.layers[-1].mlp.register_forward_hook(lambda mod, a, out: rows.append(a[0].shape[1]))
     outs = []
     for m in (ref, ours):
-        logits = ro.policy_logits(m, ids, mask, pos, 4)
+        logits = fw.policy_logits(m, ids, mask, pos, 4)
         assert logits.shape == (3, 4, V)
         logits.pow(2).mean().backward()
         outs.append((logits.detach(), [p.grad.clone() for p in m.parameters()]))
@@ -93,14 +94,14 @@ def test_the_span_computes_the_last_layer_on_fewer_rows():
              for i, layer in enumerate(m.model.layers)]
     ids, mask, pos = _batch()
     with torch.no_grad():
-        ro.policy_logits(m, ids, mask, pos, 4)
+        fw.policy_logits(m, ids, mask, pos, 4)
     for h in hooks:
         h.remove()
     assert rows == {0: 9, 1: 9, 2: 4}
 
 
 def test_values_and_scores_equal_the_whole_sequence_forward():
-    ref = ro.TokenValueModel(_seq_cls())
+    ref = fw.TokenValueModel(_seq_cls())
     ours = copy.deepcopy(ref)
     assert tail.install(ours) == 1 and tail.layer_of(ours) is not None
     ids, mask, pos = _batch()
@@ -108,9 +109,9 @@ def test_values_and_scores_equal_the_whole_sequence_forward():
     with torch.no_grad():
         full = ref(ids, mask, pos)
         torch.testing.assert_close(ours(ids, mask, pos), full, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(ours(ids, mask, pos, response_length=4), ro.response_slice(full, 4),
+        torch.testing.assert_close(ours(ids, mask, pos, response_length=4), fw.response_slice(full, 4),
                                    atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(ref(ids, mask, pos, response_length=4), ro.response_slice(full, 4))
+        torch.testing.assert_close(ref(ids, mask, pos, response_length=4), fw.response_slice(full, 4))
         torch.testing.assert_close(ours.score_at(ids, mask, pos, last), full[torch.arange(3), last],
                                    atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(ref.score_at(ids, mask, pos, last), full[torch.arange(3), last])
@@ -124,7 +125,7 @@ def test_lora_policy_and_its_adapter_disabled_reference_through_the_span():
     from peft import LoraConfig, get_peft_model
 
     from rlhf_cli.ppo.experience import reference_logits
-    from rlhf_cli.ppo.fused import fuse_lora_linears
+    from rlhf_cli.accel.fused import fuse_lora_linears
 
     base = _lm("qwen3")
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
@@ -136,8 +137,8 @@ def test_lora_policy_and_its_adapter_disabled_reference_through_the_span():
     ids, mask, pos = _batch()
     for m in (ref, ours):
         m.eval()
-    torch.testing.assert_close(ro.policy_logits(ours, ids, mask, pos, 4),
-                               ro.policy_logits(ref, ids, mask, pos, 4), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fw.policy_logits(ours, ids, mask, pos, 4),
+                               fw.policy_logits(ref, ids, mask, pos, 4), atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(reference_logits(ours, None, ids, mask, pos, 4),
                                    reference_logits(ref, None, ids, mask, pos, 4), atol=1e-6, rtol=1e-5)

@@ -15,26 +15,11 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint, core
 from rlhf_cli.ppo.config import PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
-from rlhf_cli.ppo.rollout import TokenValueModel
-from rlhf_cli.ppo.trainer import PPOModels, PPOTrainer, PromptStream
+from rlhf_cli.ppo.forward import TokenValueModel
+from rlhf_cli.ppo.build import PPOModels
+from rlhf_cli.ppo.trainer import PPOTrainer, PromptStream
 
 PROMPTS = [f"<|im_start|>user\nHow do I cook rice, question {i}?<|im_end|>\n<|im_start|>assistant\n" for i in range(8)]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    from rlhf_cli.tiny import build_tiny_base
-
-    return build_tiny_base(tmp_path_factory.mktemp("base") / "base", vocab_size=600, hidden_size=32,
-                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                           head_dim=16)
-
-
-@pytest.fixture(scope="module")
-def tok(base):
-    from rlhf_cli.models import load_tokenizer
-
-    return load_tokenizer(base)
 
 
 def ppo_cfg(**over):
@@ -122,7 +107,7 @@ def test_score_groups_order_rows_by_padding_and_put_them_back():
 def test_scoring_groups_only_where_the_chunk_logits_are_large(monkeypatch):
     from omegaconf import OmegaConf
 
-    from rlhf_cli.ppo import config as ppo_config
+    from rlhf_cli.accel import limits
     from rlhf_cli.stages._sampling import score_batch_size
 
     cfg = OmegaConf.create({"ppo": {"rollout_forward_batch_size": 8, "response_length": 32}})
@@ -130,7 +115,7 @@ def test_scoring_groups_only_where_the_chunk_logits_are_large(monkeypatch):
     assert score_batch_size(cfg, 2, 151_669) == 2
     # the bench's small vocabulary: 8 x 32 x 1,500 x 4 = 1.5 MB: one forward per chunk
     assert score_batch_size(cfg, 2, 1_500) is None
-    monkeypatch.setattr(ppo_config, "SCORE_GROUPS_FROM_BYTES", 8 * 32 * 1_500 * 4 - 1)
+    monkeypatch.setattr(limits, "SCORE_GROUPS_FROM_BYTES", 8 * 32 * 1_500 * 4 - 1)
     assert score_batch_size(cfg, 2, 1_500) == 2
 
 

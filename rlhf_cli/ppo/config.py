@@ -1,67 +1,72 @@
-"""The PPO hyper-parameters as one typed object, built once from the `ppo` config group (values are validated
-by `rlhf_cli.schema` when the config is composed; here they get their types, and `check` tests the keys that
-only make sense together)."""
+"""The PPO hyper-parameters as one typed object, built once from the `ppo` config group by `from_cfg`.
+
+Each field is a key of the `ppo` group: its type, range, allowed values and meaning are written once, in
+`rlhf_cli.schema.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that entry's kind,
+and tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less `NOT_FIELDS`. `check`
+tests the keys that only make sense together."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# the sizes a speed path switches at; rlhf_cli.accel.limits is their home, imported here until the PPO modules that
+# still read them from this module (stages/_sampling, the tests' monkeypatching) import them from there
+from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, SCORE_GROUPS_FROM_BYTES  # noqa: F401
+from rlhf_cli.choices import ADVANTAGES, REWARD_MODEL
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.schema import SCHEMA
 
-# Sampling with a LoRA policy merges W + B·A into a copy of each adapted weight (rollout.lora_merged). On a CPU that
-# copy, once per rollout, outweighs the adapter's small per-step matmuls when the weights are large: Qwen3-0.6B's
-# shape in fp32 (1.76 GB adapted), 8 x 32 tokens, 1 thread, 3 samplings each: merged 24.9 / 20.4 / 19.8 s (the
-# first pays ~5 s of fresh pages), unmerged 19.6 / 19.7 / 19.5 s. Small models merge (fewer ops per step is what
-# counts there); on a GPU the copy is cheap and they always merge. Rerun: bench/merge_probe.py.
-CPU_MERGE_MAX_BYTES = 256 * 2**20
-# Scoring forwards run micro-batches of rows grouped by prompt length only where one forward over the rollout chunk
-# would hold more fp32 logits than this (bench, 1 thread: Qwen3-0.6B's shape, 8 rows x 32 tokens x 151,936 = 155 MB,
-# scoring 20.0 -> 16.9 s per update grouped; tiny / mini, <= 3 MB, grouped 25-30% slower; mid, 12 MB, even).
-SCORE_GROUPS_FROM_BYTES = 64 * 2**20
-
-ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
 GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: samples_per_prompt ≥ 2
-REWARD_MODEL = "model"                # the ppo.reward entry that means the reward model at ppo.reward_dir
+# ppo.* keys that are not fields: batch sizes (rlhf_cli.config.ppo_sizes), model sources and LoRA
+# (rlhf_cli.models.build_ppo_models), and what the stage does with the run's directory
+NOT_FIELDS = frozenset({
+    "output_dir", "policy_dir", "reward_dir", "value_init", "value_lora", "lora.enabled", "lora.r", "lora.alpha",
+    "lora.target_modules", "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "num_mini_batches", "rollout_forward_batch_size", "resume", "merge",
+})
+# schema kind -> how a value is cast; list kinds become tuples of the item type
+_CAST = {"int": int, "float": float, "bool": bool, "text": str, "enum": str, "scheduler": str}
+_ITEMS = {"int_list": int, "number_list": float, "sources": str}
 
 
 @dataclass(frozen=True)
 class PPOConfig:
     # optimisation
     learning_rate: float
-    value_learning_rate: float | None   # None: learning_rate
+    value_learning_rate: float | None
     lr_scheduler_type: str
     warmup_ratio: float
     weight_decay: float
-    max_grad_norm: float | None         # None / 0: no clipping
-    sparse_value_embedding: bool        # a fully trained value model's embedding: AdamW over the rows tokens reach
+    max_grad_norm: float | None
+    sparse_value_embedding: bool
     num_ppo_epochs: int
     # sampling
     response_length: int
     temperature: float
     top_k: int
     top_p: float
-    stop_token: str | None              # "eos" or None (fixed-length responses)
+    stop_token: str | None
     stop_token_ids: tuple[int, ...]
-    recompute_logprobs: str             # auto | true | false
+    recompute_logprobs: str             # lower-case text, true / false included
     # rewards and advantages
-    reward: tuple[str, ...]             # "model" and/or "module:function" / "/path/file.py:function", summed
-    reward_weights: tuple[float, ...] | None  # one per reward source; None: 1 each
-    advantage: str                      # gae | grpo | rloo | reinforce_pp
-    samples_per_prompt: int             # n responses per prompt (each prompt of an update repeated n times)
-    scale_rewards: bool                 # grpo: divide by the group's std (false: Dr. GRPO)
-    loss_aggregation: str               # token_mean | sequence_mean
-    kl_loss_estimator: str              # grpo: the KL estimate in its loss
+    reward: tuple[str, ...]
+    reward_weights: tuple[float, ...] | None
+    advantage: str
+    samples_per_prompt: int
+    scale_rewards: bool
+    loss_aggregation: str
+    kl_loss_estimator: str
     # reward shaping and KL
     kl_coef: float
-    kl_estimator: str                   # k1 | k3 | abs | mse (where the KL is a reward: gae, rloo, reinforce_pp)
+    kl_estimator: str
     adaptive_kl: bool
-    adaptive_kl_target: float           # nats per sequence, for the adaptive controller
+    adaptive_kl_target: float
     kl_horizon: float
     whiten_rewards: bool
     normalize_scores: bool
     missing_eos_penalty: float | None
     empty_response_penalty: float | None
-    first_update_kl_tolerance: float | None  # None: by compute precision
+    first_update_kl_tolerance: float | None
     # losses
     gamma: float
     lam: float
@@ -69,7 +74,7 @@ class PPOConfig:
     cliprange_value: float
     vf_coef: float
     ent_coef: float
-    target_kl: float | None             # stop an update's epochs early when approxkl exceeds this
+    target_kl: float | None
     # run
     logging_steps: int
     sample_every: int
@@ -77,27 +82,8 @@ class PPOConfig:
 
     @classmethod
     def from_cfg(cls, p) -> PPOConfig:
-        """From the `ppo` group (a DictConfig or mapping); each value cast to its field's type."""
-        kw = {}
-        for f in fields(cls):
-            v = p[f.name]
-            t = str(f.type)
-            if v is None:
-                kw[f.name] = None
-            elif f.name == "recompute_logprobs":
-                kw[f.name] = str(v).lower()
-            elif t.startswith("tuple"):
-                item = {"str": str, "float": float}.get(t[len("tuple["):].split(",")[0], int)
-                kw[f.name] = (item(v),) if isinstance(v, (str, int, float)) else tuple(item(i) for i in v)
-            elif t.startswith("float"):
-                kw[f.name] = float(v)
-            elif t.startswith("int"):
-                kw[f.name] = int(v)
-            elif t.startswith("bool"):
-                kw[f.name] = bool(v)
-            else:
-                kw[f.name] = str(v)
-        return cls(**kw)
+        """From the `ppo` group (a DictConfig or mapping); each value cast by its schema entry's kind."""
+        return cls(**{f.name: _cast(SCHEMA[f"ppo.{f.name}"].kind, p[f.name]) for f in fields(cls)})
 
     @property
     def value_lr(self) -> float:
@@ -136,3 +122,14 @@ class PPOConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
             raise RlhfError(f"ppo.reward_weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "
                             f"reward source(s) ({', '.join(self.reward)}); give one weight per source, or null")
+
+
+def _cast(kind: str, v):
+    """A config value as its field holds it: None stays None, lists become tuples (a single entry a 1-tuple),
+    `recompute_logprobs` (true / false / auto) becomes lower-case text."""
+    if v is None:
+        return None
+    if kind in _ITEMS:
+        item = _ITEMS[kind]
+        return (item(v),) if isinstance(v, (str, int, float)) else tuple(item(i) for i in v)
+    return str(v).lower() if isinstance(v, bool) and kind == "enum" else _CAST[kind](v)

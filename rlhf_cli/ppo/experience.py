@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.rollout import generate_chunk, padding_counts, policy_logits, position_ids_from
+from rlhf_cli.ppo.forward import padding_counts, policy_logits
+from rlhf_cli.ppo.sampling import generate_chunk
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Sampling:
     vocab_size: int | None = None      # logits past the tokenizer's last id are never sampled nor scored
     recompute_logprobs: bool = False   # old log-probs from the training forward instead of the sampling pass
     score_batch_size: int | None = None  # rows per scoring forward, grouped by prompt length (None: the chunk)
+    engine: str = "generate"           # the sampling engine (rlhf_cli.ppo.sampling): generate | loop | registered
 
     @property
     def score_temperature(self) -> float:
@@ -192,13 +194,13 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
         t0 = time.perf_counter()
         q_ids = enc["input_ids"][i: i + s.forward_batch_size].to(device)
         q_mask = enc["attention_mask"][i: i + s.forward_batch_size].to(device)
-        g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size)
+        g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size, s.engine)
         resp, rmask = g["response"], g["mask"]
         R = resp.shape[1]  # a host sync: the generation time below is real on a GPU too
         t1 = time.perf_counter()
         input_ids = torch.cat([q_ids, resp], 1)
         attn = torch.cat([q_mask, rmask.long()], 1)
-        pos = position_ids_from(attn)
+        pos = core.position_ids_from(attn)
         logprobs, entropy = g["logprobs"], g["entropy"]
         groups, inverse = score_groups(attn, s.score_batch_size)
 

@@ -21,7 +21,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,22 +29,14 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint, core, rewards
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
-from rlhf_cli.ppo.rollout import leading_padding, padding_counts, policy_logits
-from rlhf_cli.ppo.sparse_rows import RowSparseEmbedding
+from rlhf_cli.ppo.forward import leading_padding, padding_counts, policy_logits
+
+if TYPE_CHECKING:
+    from rlhf_cli.ppo.build import PPOModels
 
 log = logging.getLogger("rlhf")
 
 STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio", "kl_loss")
-
-
-@dataclass
-class PPOModels:
-    policy: torch.nn.Module        # trainable: a PEFT LoRA model (reference = adapter disabled) or a full model
-    ref: torch.nn.Module | None    # None: the policy with its adapter disabled; else a frozen copy
-    value: torch.nn.Module | None  # TokenValueModel, trainable (all weights, or LoRA + head); None: critic-free
-    reward: torch.nn.Module | None  # TokenValueModel, frozen; None: rewarded by functions alone
-    score_stats: dict | None       # the reward model's score mean / std (for normalisation), or None
-    value_source: str              # where the value model came from (for the log)
 
 
 @dataclass
@@ -79,16 +71,6 @@ def by_padding(perm: torch.Tensor, attention_mask: torch.Tensor, mini_batch: int
     lead = padding_counts(attention_mask)[perm]
     chunks = [torch.sort(lead[i: i + mini_batch], stable=True).indices + i for i in range(0, perm.numel(), mini_batch)]
     return perm[torch.cat(chunks)]
-
-
-def update_line(update: int, num_updates: int, m: dict[str, float]) -> str:
-    """One update's headline figures as one line of text (the CLI prints it; the trainer prints nothing)."""
-    gt = f" gt {m['objective/ground_truth_rate']:.2f}" if "objective/ground_truth_rate" in m else ""
-    vf = f" vf {m['loss/value_avg']:.3f}" if "loss/value_avg" in m else ""
-    zero = f" zero-std {m['reward/frac_zero_std']:.2f}" if "reward/frac_zero_std" in m else ""
-    return (f"update {update}/{num_updates} ep {m['episodes']} score {m['objective/scores']:+.2f}"
-            f" kl {m['objective/kl']:.2f}{gt} len {m['response/length_mean']:.1f} pg {m['loss/policy_avg']:+.3f}"
-            f"{vf}{zero} clip {m['policy/clipfrac_avg']:.2f} eps {m['eps']:.1f}")
 
 
 class PromptStream:
@@ -155,17 +137,15 @@ class PPOTrainer:
                 self.reward_functions[spec] = rewards.RewardFunction.load(spec, extra)
         self.source_names = rewards.source_names(c.reward)
         # one AdamW, two parameter groups (policy, value) with their own learning rates; fp32 master weights
-        self.sparse_emb = self._row_sparse_embedding(models.value)
         self.pol_params = [q for q in models.policy.parameters() if q.requires_grad]
         self.val_params = [q for q in models.value.parameters() if q.requires_grad] if models.value is not None \
             else []
         groups = [{"params": self.pol_params, "lr": c.learning_rate}]
         if models.value is not None:
-            rows = [self.sparse_emb.param] if self.sparse_emb else []
-            groups.append({"params": self.val_params + rows, "lr": c.value_lr})
+            groups.append({"params": self.val_params, "lr": c.value_lr})
         optimizer = adamw(groups, accelerator, lr=c.learning_rate, weight_decay=c.weight_decay, eps=1e-5)
-        if self.sparse_emb:
-            self.sparse_emb.attach(optimizer)
+        for hook in getattr(models, "on_optimizer", ()):
+            hook(optimizer)
         total_steps = sizes.num_updates * c.num_ppo_epochs * sizes.num_mini_batches
         self.scheduler = get_scheduler(c.lr_scheduler_type, optimizer,
                                        num_warmup_steps=int(c.warmup_ratio * total_steps),
@@ -184,25 +164,9 @@ class PPOTrainer:
         self.progress = Progress()
 
     # ------------------------------------------------------------------------------------------ helpers
-    def _row_sparse_embedding(self, value) -> RowSparseEmbedding | None:
-        """The value model's embedding trained through the rows tokens reach (rlhf_cli/ppo/sparse_rows.py), where
-        that is the same AdamW as the dense one: one process, weight_decay 0, an embedding that trains untied."""
-        if value is None or not self.c.sparse_value_embedding:
-            return None
-        value = getattr(value, "model", value)  # the sequence-classification model inside TokenValueModel
-        if not value.get_input_embeddings().weight.requires_grad:  # a LoRA value model: the embedding is frozen
-            return None
-        why = RowSparseEmbedding.applies(value) or \
-            ("it runs in more than one process" if self.world > 1 else None) or \
-            (f"ppo.weight_decay={self.c.weight_decay:g}" if self.c.weight_decay else None)
-        if why:
-            log.info("ppo: the value model's embedding trains densely: %s", why)
-            return None
-        return RowSparseEmbedding(value.get_input_embeddings())
-
     def trainable(self) -> list[torch.Tensor]:
         """Every parameter the optimizer steps (what the gradient norm is taken over)."""
-        return self.pol_params + self.val_params + ([self.sparse_emb.param] if self.sparse_emb else [])
+        return [q for group in self.optimizer.param_groups for q in group["params"]]
 
     def autocast(self):
         """Forward passes run under autocast at the compute dtype; trainable weights stay fp32."""
@@ -404,21 +368,18 @@ class PPOTrainer:
                     with sync:
                         mb_stats.append(self.micro_batch_step(exp, idx, starts[mb * sz.gradient_accumulation_steps + k],
                                                               sz.gradient_accumulation_steps))
-                s = torch.stack(mb_stats).mean(0)
-                if self.sparse_emb:
-                    self.sparse_emb.gather_grad()
+                s = dict(zip(STAT_KEYS, torch.stack(mb_stats).mean(0)))
                 grad_norm = acc.clip_grad_norm_(self.trainable(), c.max_grad_norm) if c.max_grad_norm else None
-                finite = torch.isfinite(s[:2]).all() & (torch.isfinite(grad_norm) if grad_norm is not None else True)
+                losses = torch.stack([s["pg_loss"], s["vf_loss"]])
+                finite = torch.isfinite(losses).all() & (torch.isfinite(grad_norm) if grad_norm is not None else True)
                 if not bool(finite):  # stop before the step: the weights (and the last checkpoint) stay finite
-                    self._fail(f"the loss or gradient norm became non-finite (pg {s[0].item():.3g}, "
-                               f"vf {s[1].item():.3g})", f"lower ppo.learning_rate (now {c.learning_rate:g})")
+                    self._fail(f"the loss or gradient norm became non-finite (pg {s['pg_loss'].item():.3g}, "
+                               f"vf {s['vf_loss'].item():.3g})", f"lower ppo.learning_rate (now {c.learning_rate:g})")
                 self.optimizer.step()
-                if self.sparse_emb:
-                    self.sparse_emb.write_back()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 steps.append(s)
-                if c.target_kl is not None and self.global_mean(s[2]).item() > c.target_kl:
+                if c.target_kl is not None and self.global_mean(s["approxkl"]).item() > c.target_kl:
                     break
             else:
                 continue
@@ -426,7 +387,7 @@ class PPOTrainer:
         self.policy.eval()
         if self.value is not None:
             self.value.eval()
-        return dict(zip(STAT_KEYS, torch.stack(steps).unbind(-1)))
+        return {k: torch.stack([st[k] for st in steps]) for k in STAT_KEYS}
 
     # ---------------------------------------------------------------------------------------- step 6
     def metrics(self, exp: Experience, stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -511,8 +472,6 @@ class PPOTrainer:
         """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG."""
         st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank)
         self.optimizer.load_state_dict(st["optimizer"])
-        if self.sparse_emb:
-            self.sparse_emb.after_load()
         self.scheduler.load_state_dict(st["scheduler"])
         self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))

@@ -42,23 +42,25 @@ def stop_ids(cfg, tok) -> tuple[int, ...]:
 
 
 def sampling(cfg, tok, vocab_size: int, recompute: bool, evaluation: bool = False,
-             score_batch_size: int | None = None) -> Sampling:
+             score_batch_size: int | None = None, engine: str = "generate") -> Sampling:
     """PPO's sampling settings (`ppo.*`); with evaluation=True the length, temperature, top-k/p, greedy flag
     and batch come from `eval.*` while the stop tokens stay PPO's. score_batch_size: rows per scoring forward
-    (PPO: its micro-batch, what a forward of the update holds)."""
+    (PPO: its micro-batch, what a forward of the update holds); engine: the sampling engine
+    (`rlhf_cli.accel.FastPaths.sampler`)."""
     p = cfg.eval if evaluation else cfg.ppo
     return Sampling(max_new_tokens=int(p.response_length), temperature=float(p.temperature),
                     pad_id=int(tok.pad_token_id), eos_id=int(tok.eos_token_id), stop_ids=stop_ids(cfg, tok),
                     top_k=int(p.top_k), top_p=float(p.top_p), greedy=bool(p.get("greedy", False)),
                     forward_batch_size=int(p.batch_size if evaluation else p.rollout_forward_batch_size),
-                    vocab_size=vocab_size, recompute_logprobs=recompute, score_batch_size=score_batch_size)
+                    vocab_size=vocab_size, recompute_logprobs=recompute, score_batch_size=score_batch_size,
+                    engine=engine)
 
 
 def score_batch_size(cfg, micro_batch: int, vocab_size: int) -> int | None:
     """Rows per scoring forward in PPO: its micro-batch (rows grouped by prompt length, each group's shared padding
     skipped) where a forward over the whole rollout chunk would hold over SCORE_GROUPS_FROM_BYTES of fp32 logits;
     otherwise None, one forward per chunk (for small logits the extra forwards cost more than the padding saves)."""
-    from rlhf_cli.ppo.config import SCORE_GROUPS_FROM_BYTES
+    from rlhf_cli.accel.limits import SCORE_GROUPS_FROM_BYTES
 
     p = cfg.ppo
     logits = int(p.rollout_forward_batch_size) * int(p.response_length) * int(vocab_size) * 4

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli import accel
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir, read_json, write_json
@@ -26,7 +27,7 @@ from rlhf_cli.models import (check_finite, check_vocab, load_policy, load_seq_cl
                              same_vocab, setup_torch)
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.experience import Sampling, make_experience
-from rlhf_cli.ppo.rollout import TokenValueModel
+from rlhf_cli.ppo.forward import TokenValueModel
 from rlhf_cli.stages import _sampling
 
 log = logging.getLogger("rlhf")
@@ -155,6 +156,7 @@ def run(cfg) -> None:
     setup_torch(cfg)
     e = cfg.eval
     device = torch.device("cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu")
+    paths = accel.configure(cfg, device.type)
     storage, compute = resolve_precision(cfg)
     ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
     reward_dir = None if e.reward_dir is None else \
@@ -175,7 +177,8 @@ def run(cfg) -> None:
         rm = TokenValueModel(rm_model).to(device).eval()
     ref = load_policy(ref_dir, storage, cfg.model, merge=True).to(device).eval()
     s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
-                           recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True)
+                           recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True,
+                           engine=paths.sampler)
     autocast = (lambda: torch.autocast(device.type, dtype=compute)) if compute is not None else contextlib.nullcontext
     results = {}
     bar = tqdm(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True)

@@ -16,14 +16,17 @@ import logging
 import time
 from pathlib import Path
 
+from rlhf_cli import accel
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.io import publish, write_json
-from rlhf_cli.models import build_ppo_models, check_vocab, load_tokenizer, merge_lora, resolve_precision, setup_torch
+from rlhf_cli.models import check_vocab, load_tokenizer, merge_lora, resolve_precision, setup_torch
 from rlhf_cli.ppo import checkpoint
+from rlhf_cli.ppo.build import build_ppo_models
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.rewards import RewardFunction
-from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream, update_line
+from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
+from rlhf_cli.stages._console import console
 from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
@@ -52,10 +55,11 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     gt = _sampling.ground_truth(cfg, examples)
 
     # ---- models, sampling, the run directory, the trainer
-    models = build_ppo_models(cfg, tok, acc.device, storage)
+    paths = accel.configure(cfg, acc.device.type)
+    models = build_ppo_models(cfg, tok, acc.device, storage, paths, acc.num_processes)
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
     vocab = check_vocab(tok, models.policy, policy_dir)
-    sampling = _sampling.sampling(cfg, tok, vocab, recompute,
+    sampling = _sampling.sampling(cfg, tok, vocab, recompute, engine=paths.sampler,
                                   score_batch_size=_sampling.score_batch_size(cfg, sizes.micro_batch_size, vocab))
     out = Path(p.output_dir)
     if acc.is_main_process:
@@ -98,37 +102,6 @@ def describe(c: PPOConfig, sizes, world: int, value_source: str, storage, comput
     if c.advantage != "gae" or c.samples_per_prompt > 1 or c.reward != (REWARD_MODEL,):
         log.info("ppo: advantage %s, %d response(s) per prompt; reward %s", c.advantage, c.samples_per_prompt,
                  " + ".join(f"{w:g}·{spec}" for spec, w in zip(c.reward, c.weights())))
-
-
-class console:
-    """A progress bar over episodes and a line every `ppo.logging_steps` updates (main process), chained in
-    front of the trainer's own on_update hook; on Ctrl-C, says whether a checkpoint can continue the run."""
-
-    def __init__(self, trainer: PPOTrainer, main: bool) -> None:
-        from tqdm.auto import tqdm
-
-        self.trainer, self.main, n = trainer, main, trainer.sizes.num_updates
-        self.bar = tqdm(total=n * trainer.sizes.batch_size, initial=trainer.progress.episodes, unit="ep",
-                        desc="ppo", disable=not main, dynamic_ncols=True)
-        user = trainer.hooks.on_update
-
-        def on_update(update: int, m: dict) -> None:
-            self.bar.update(trainer.sizes.batch_size)
-            if main and (update % max(trainer.c.logging_steps, 1) == 0 or update == n):
-                self.bar.write(update_line(update, n, m))
-            user(update, m)
-
-        trainer.hooks.on_update = on_update
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb) -> None:
-        self.bar.close()
-        if kind is KeyboardInterrupt:
-            saved = checkpoint.latest(self.trainer.work / "checkpoints")
-            log.error("ppo: interrupted; %s", f"`ppo.resume=true` continues from {saved}" if saved else
-                      "no checkpoint was written yet (ppo.save_every), nothing to resume")
 
 
 def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:

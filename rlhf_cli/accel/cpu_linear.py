@@ -1,17 +1,15 @@
 """fp32 linear layers on the CPU through oneDNN rather than the BLAS that `F.linear` calls.
 
 torch's CPU wheels send an fp32 `F.linear` to MKL. On AMD CPUs MKL runs its AVX2 kernels, at about half of what
-the chip can do: on an AMD EPYC Zen 5 (family 26, AVX-512, 1 thread) `F.linear` ran the PPO update's shapes
-(32-1,024 rows against 128 x 256 ... 3,072 x 1,024 weights) at ~90 GFLOP/s (make bench's roofline probe: 84-93),
-oneDNN's `mkldnn._linear_pointwise` (the op torch's own CPU inductor emits) 1.6-2.4x faster (bench/linear_probe.py
---onednn), forward and both backward products, with fp32 accumulation (tests/test_cpu_linear.py: F.linear's
-outputs and gradients within 1e-4). With a handful of rows (the sampling steps) oneDNN is the slower one (0.4-0.9x at 1 row), so layers keep
-`F.linear` under `MIN_ROWS` rows. On Intel CPUs MKL runs its own AVX-512 kernels (not measured against oneDNN
-yet): there the one-time check decides.
+an AVX-512 chip can do, and oneDNN's `mkldnn._linear_pointwise` (the op torch's own CPU inductor emits) runs the
+PPO update's products faster, forward and both backward products, with fp32 accumulation (tests/test_cpu_linear.py:
+F.linear's outputs and gradients within 1e-4; bench/results/ has the measured rates). With a handful of rows (the
+sampling steps) oneDNN is the slower one, so layers keep `F.linear` under `MIN_ROWS` rows. Where MKL runs its own
+AVX-512 kernels the one-time check decides.
 
 `device.cpu_matmul` picks: auto (that check: oneDNN where it is `SPEEDUP` faster on a PPO-sized product), blas,
 or onednn. Only plain `nn.Linear` layers of models without hooks switch (`install`); bf16 / fp16 tensors, autocast,
-GPUs and non-fp32 weights always take `F.linear`. Rerun the measurement: bench/linear_probe.py --onednn.
+GPUs and non-fp32 weights always take `F.linear`. Rerun the measurement: bench/probes/linear_probe.py --onednn.
 """
 
 from __future__ import annotations
@@ -24,23 +22,27 @@ import time
 import torch
 from torch import nn
 
+from rlhf_cli.accel.limits import ONEDNN_CACHE_BYTES, ONEDNN_CACHE_CAPACITY, ONEDNN_MIN_DIM
+
+from rlhf_cli.choices import CPU_MATMUL as MODES  # device.cpu_matmul's values
+
 log = logging.getLogger("rlhf")
 
-MODES = ("auto", "blas", "onednn")
-MIN_ROWS = 32        # fewer rows than this: F.linear (oneDNN 0.4-0.9x at 1 row, mixed at 8, faster from 32)
-MIN_DIM = 128        # weights with a side under this keep F.linear: tiny models (bench tiny, hidden 64, gained
-                     # nothing) and 1-output heads, and every product oneDNN compiles costs memory (below)
+MIN_ROWS = 32        # fewer rows than this: F.linear (oneDNN is slower at 1 row, mixed at 8, faster from 32)
+# weights with a side under MIN_DIM keep F.linear: tiny models gain nothing, and every product oneDNN compiles costs
+# memory (below)
+MIN_DIM = ONEDNN_MIN_DIM
 SPEEDUP = 1.25       # auto switches where oneDNN is at least this much faster on the probe product
 # mode: set_mode's; on: whether oneDNN is used, None until auto's check runs (at the first product that would use
 # it, so a run whose products all keep F.linear never loads oneDNN)
 _state: dict = {"mode": "blas", "on": False}
 # oneDNN keeps a compiled primitive per product shape, in two caches of 1,024 entries by default (oneDNN's and
-# ideep's), ~0.7 MB each: the PPO epochs' row counts change with every micro-batch's length, so unbounded they grew
-# a process by ~2 MB per new row count (300 counts: +550 MB). 32 holds a policy's and a value model's forward and
-# backward products for one row count (~21 shapes); a new primitive costs ~0.45 ms.
+# ideep's): the PPO epochs' row counts change with every micro-batch's length, so unbounded they grow a process by
+# about 2 MB per new row count. 32 entries hold a policy's and a value model's forward and backward products for one
+# row count (~21 shapes); a new primitive is cheap to compile.
 CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-CACHE_CAPACITY = 32
-CACHE_BYTES = CACHE_CAPACITY * 0.8 * 2**20   # both caches full (measured: 64 -> +51 MB over 300 row counts)
+CACHE_CAPACITY = ONEDNN_CACHE_CAPACITY
+CACHE_BYTES = ONEDNN_CACHE_BYTES
 
 
 def available() -> bool:
@@ -186,9 +188,9 @@ def install(model: nn.Module) -> int:
     """Route the model's plain `nn.Linear` layers with both sides ≥ `MIN_DIM` through `linear`; returns how many.
     Idempotent. A model with hooks (offloading, ZeRO-3) keeps its layers as they are, and nothing switches while
     oneDNN is off or unavailable."""
-    from rlhf_cli.ppo.tail import _hooked
+    from rlhf_cli.accel.decode import hooked
 
-    if not _may_use() or not available() or _hooked(model):
+    if not _may_use() or not available() or hooked(model):
         return 0
     n = 0
     for m in model.modules():

@@ -9,14 +9,14 @@ momentum carries on exactly as it would there. The step count (and so the bias c
 
 How. The embedding's weight leaves autograd (requires_grad False) and stays the one full matrix that the model reads
 and saves. In a forward with gradients, the module gathers the rows of the batch's distinct tokens into a small leaf
-tensor and looks the tokens up in it, so the backward gives one (distinct tokens x hidden) gradient. At the step,
-`gather_grad` sums those into `param`, the rows `seen` of the matrix (grown when new tokens arrive, with zero
-moments for the new rows), AdamW steps `param` with the rest of the value model's group, and `write_back` copies
-the rows into the matrix. The rows `seen` are kept in the optimizer state of `param` ("rows"), so a checkpoint's
+tensor and looks the tokens up in it, so the backward gives one (distinct tokens x hidden) gradient, which a hook on
+that leaf adds (`add_grad`) into the gradient of `param`, the rows `seen` of the matrix (grown when new tokens
+arrive, with zero moments for the new rows). AdamW steps `param` with the rest of the value model's group (`attach`),
+and a hook after each step copies the rows into the matrix (`write_back`). The rows `seen` are kept in the optimizer state of `param` ("rows"), so a checkpoint's
 optimizer state carries them and `after_load` rebuilds `param` on resume.
 
 Used for the value model when it trains in full, in one process (with DDP each process would see other rows),
-with weight_decay 0 (`PPOTrainer`; `ppo.sparse_value_embedding`).
+with weight_decay 0 (`rlhf_cli.accel.FastPaths.value_embedding`; `ppo.sparse_value_embedding`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class RowSparseEmbedding:
         self.seen = torch.empty(0, dtype=torch.long, device=self.weight.device)
         self.param = nn.Parameter(self.weight.detach()[self.seen].clone())
         self.optimizer: torch.optim.Optimizer | None = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         emb.forward = types.MethodType(_make_forward(self), emb)
 
     @staticmethod
@@ -56,9 +55,13 @@ class RowSparseEmbedding:
             return "its input embedding is tied to another weight"
         return None
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose param groups hold `param` (its state is moved when `param` grows)."""
+    def attach(self, optimizer: torch.optim.Optimizer, group: int = -1) -> None:
+        """Train `param` in the optimizer's param group `group` (the value model's): it joins the group, the
+        stepped rows are written back after every step, and `param` is rebuilt after a state load."""
         self.optimizer = optimizer
+        optimizer.param_groups[group]["params"].append(self.param)
+        optimizer.register_step_post_hook(lambda *_: self.write_back())
+        optimizer.register_load_state_dict_post_hook(lambda *_: self.after_load())
 
     def _replace(self, new: nn.Parameter, state: dict) -> None:
         for group in self.optimizer.param_groups:
@@ -81,25 +84,25 @@ class RowSparseEmbedding:
                 state[key] = moved
         if state:
             state["rows"] = seen
+        grad = self.param.grad
         self._replace(nn.Parameter(self.weight.detach()[seen].clone()), state)
+        if grad is not None:  # the gradient summed so far in this step moves with its rows
+            self.param.grad = grad.new_zeros(self.param.shape)
+            self.param.grad[old] = grad
         self.seen = seen
 
     @torch.no_grad()
-    def gather_grad(self) -> None:
-        """Sum the gradients of this step's forwards into `param.grad` (before clipping and the step)."""
-        pending = [(u, r.grad) for u, r in self._pending if r.grad is not None]
-        self._pending.clear()
-        if not pending:
-            return
-        seen = torch.unique(torch.cat([self.seen] + [u for u, _ in pending]))
+    def add_grad(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add one backward's gradient of the rows `ids` (sorted, distinct) into `param.grad`, growing `param` by the
+        rows it has not seen (runs as the backward reaches the lookup, so the sum is there before clipping)."""
+        seen = torch.unique(torch.cat([self.seen, ids]))
         if seen.numel() != self.seen.numel():
             self._grow(seen)
-        grad = torch.zeros_like(self.param)
-        for u, g in pending:
-            grad.index_add_(0, torch.searchsorted(self.seen, u), g.to(grad.dtype))
+        if self.param.grad is None:
+            self.param.grad = torch.zeros_like(self.param)
+        self.param.grad.index_add_(0, torch.searchsorted(self.seen, ids), grad.to(self.param.dtype))
         if self.emb.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
-            grad.masked_fill_((self.seen == self.emb.padding_idx)[:, None], 0.0)
-        self.param.grad = grad
+            self.param.grad.masked_fill_((self.seen == self.emb.padding_idx)[:, None], 0.0)
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -130,7 +133,7 @@ def _make_forward(rows: RowSparseEmbedding):
             return F.embedding(ids, module.weight, module.padding_idx)
         u, inv = torch.unique(ids, return_inverse=True)
         leaf = module.weight.detach()[u].requires_grad_()
-        rows._pending.append((u, leaf))
-        return F.embedding(inv, leaf)  # the padding row's gradient is dropped in gather_grad
+        leaf.register_hook(lambda g: rows.add_grad(u, g))
+        return F.embedding(inv, leaf)  # the padding row's gradient is dropped in add_grad
 
     return forward

@@ -5,8 +5,8 @@ and the value model's values at P-1 … P+R-2 (the states that emit the R respon
 score at each row's last response token. In a causal decoder the last layer's output at position t feeds
 nothing but the final norm and head at t, so that layer's query projection, attention, output projection and
 MLP are needed only at the read positions; its keys and values still cover every position (the read queries
-attend to all of them). On bench's mid workload (4 layers, prompts ~20 of ~84 positions) scoring took 10-16%
-less time and the PPO epochs 3-9% less (3 alternating pairs, AMD EPYC Zen 5).
+attend to all of them). The saving grows with the share of the sequence that is prompt (bench/results/ has the
+measured gain on bench's mid workload).
 
     install(model)                              # once: the model's last decoder layer learns to run on a span
     with span(start, end):                      # the next forwards' last layer runs on positions [start, end)
@@ -30,7 +30,7 @@ import sys
 import torch
 from torch import nn
 
-from rlhf_cli.ppo.decode import MODEL_TYPES, _hooked
+from rlhf_cli.accel.decode import MODEL_TYPES, hooked
 
 _SPAN: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("rlhf_tail_span", default=None)
 _ATTENTION = ("sdpa", "eager")
@@ -74,7 +74,7 @@ def _shaped(layer) -> bool:
 def install(model: nn.Module) -> int:
     """Switch the last decoder layer of each Llama-style backbone inside `model`; returns how many.
     Idempotent. A model with hooks (offloading, ZeRO-3) keeps its layers as they are."""
-    if _hooked(model):
+    if hooked(model):
         return 0
     n = 0
     for m in model.modules():

@@ -1,15 +1,15 @@
 """One-token decoding steps of a Llama-style decoder (Qwen3, Qwen2, Llama) without the model's per-call machinery.
 
 After the prefill, each sampling step feeds one token per row through the model. For the sizes rlhf is run at on
-a CPU, the step's matrix products are under half its time (mid workload: 3.9 of ~9 ms at 32 rows): the rest is the
+a CPU, the step's matrix products are under half its time (bench's mid workload at 32 rows): the rest is the
 per-module Python of the stock forward (keyword plumbing, output records, the mask built again every step) and its
 small tensor operations. `Decoder` runs the same layers in the same order, calling the model's own norms, rotary
 embedding, activation and embedding modules, its cache, and the attention kernel with the inputs the stock sdpa
 path gives it (grouped queries packed per key/value head), so the logits are the stock forward's.
 
 Only plain weights are read: a model with hooks (accelerate offload, DeepSpeed ZeRO-3), sharded or wrapped
-parameters, an active unmerged adapter, sliding-window layers or another architecture gets `None` from `Decoder.of`
-and is stepped through its stock forward.
+parameters, an active unmerged adapter, sliding-window layers, an attention other than sdpa or another architecture
+gets `None` from `Decoder.of` and is stepped through its stock forward.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _plain_weight(module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return w, module.bias
 
 
-def _hooked(model: nn.Module) -> bool:
+def hooked(model: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
 
 
@@ -76,7 +76,11 @@ class Decoder:
             return None
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
             return None
-        if _hooked(lm) or not hasattr(backbone, "rotary_emb") or not hasattr(backbone, "embed_tokens"):
+        # the steps call sdpa: a model whose prefill runs another kernel (eager, flash attention) keeps its own
+        # forward for the steps too, so that prefill and steps compute attention the same way
+        if getattr(cfg, "_attn_implementation", None) != "sdpa":
+            return None
+        if hooked(lm) or not hasattr(backbone, "rotary_emb") or not hasattr(backbone, "embed_tokens"):
             return None
         head = _plain_weight(getattr(lm, "lm_head", None))
         if head is None:

@@ -1,131 +1,29 @@
-"""Sampling primitives: the KV-cache sampling loop (LoRA merged while it runs), stop-token truncation, the
-logits of the response positions, per-token values from a sequence-classification model. The batch built from
-them is `rlhf_cli.ppo.experience.Experience`."""
+"""The fast sampling engine: a token-by-token loop with a KV cache, without `generate()`'s per-step machinery.
+
+It draws from the distribution `generate()` draws from for the settings it supports (`supported`): EOS masked for
+the first `min_new_tokens` tokens, logits / temperature, top-k, top-p, one draw per row. A LoRA policy samples with
+its adapter merged into the base weights (`lora_merged`), the cache is preallocated for the whole sample, the steps
+after the prefill go through `Decoder` (one-token steps of a Llama-style decoder) where it applies, and on a CPU the
+few-row products of the steps run as W·xᵀ where that is the faster form (`weight_first`). Other settings, and
+models the decoder does not cover, take the stock forward; `rlhf_cli.ppo.sampling` falls back to `generate()` for
+settings the loop does not implement.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from rlhf_cli.ppo import core, cpu_linear, tail
-from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
-from rlhf_cli.ppo.decode import Decoder
-
-
-class TokenValueModel(nn.Module):
-    """Per-token outputs of a sequence-classification model: its backbone's hidden states through its score
-    head, (B, L). As a module of its own it can be wrapped by DDP like any model."""
-
-    def __init__(self, seq_cls_model: nn.Module) -> None:
-        super().__init__()
-        self.model = seq_cls_model
-
-    def _parts(self):
-        m = self.model
-        if hasattr(m, "peft_config"):  # PeftModel: LoRA layers live inside the wrapped model
-            m = m.base_model.model
-        return getattr(m, m.base_model_prefix), m.score
-
-    @property
-    def head(self) -> nn.Module:
-        """The score head (a Linear to one output)."""
-        return self._parts()[1]
-
-    def forward(self, input_ids, attention_mask, position_ids,
-                response_length: int | None = None) -> torch.Tensor:
-        """Values (B, L), or with `response_length` R those of the states that emit the response (B, R), the
-        last layer run on those positions only where it can be (`rlhf_cli.ppo.tail`)."""
-        backbone, head = self._parts()
-        L = input_ids.shape[1]
-        if response_length is None:
-            return head(self._hidden(backbone, input_ids, attention_mask, position_ids)).squeeze(-1).float()
-        start = L - response_length - 1
-        h = self._hidden(backbone, input_ids, attention_mask, position_ids, (start, L - 1))
-        return head(h if h.shape[1] == response_length else h[:, start: L - 1]).squeeze(-1).float()
-
-    def score_at(self, input_ids, attention_mask, position_ids, index: torch.Tensor) -> torch.Tensor:
-        """Score (B,) read at one position per row (the last valid response token)."""
-        backbone, head = self._parts()
-        lo, hi = (int(x) for x in torch.stack([index.min(), index.max()]).tolist()) \
-            if tail.layer_of(self) is not None else (0, input_ids.shape[1] - 1)
-        h = self._hidden(backbone, input_ids, attention_mask, position_ids, (lo, hi + 1))
-        picked = h[torch.arange(h.shape[0], device=h.device), index - lo]
-        return head(picked).squeeze(-1).float()
-
-    def _hidden(self, backbone, input_ids, attention_mask, position_ids, span: tuple[int, int] | None = None):
-        """The backbone's last hidden states: over positions [span) where the last layer can run on a span
-        (`rlhf_cli.ppo.tail`), else over every position."""
-        if span is None or tail.layer_of(self) is None:
-            return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
-        with tail.span(*span):
-            return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
-
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def truncate_at_stop(response: torch.Tensor, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut each row after its first stop token: (tokens with pad after the stop, float mask incl. the stop)."""
-    if not stop_ids:
-        return response, torch.ones_like(response, dtype=torch.float32)
-    is_stop = torch.isin(response, torch.tensor(stop_ids, device=response.device))
-    # a position is valid while no stop token occurred strictly before it
-    stops_before = torch.cumsum(is_stop.int(), dim=-1) - is_stop.int()
-    mask = (stops_before == 0).float()
-    return torch.where(mask.bool(), response, torch.full_like(response, pad_id)), mask
-
-
-def policy_logits(model, input_ids, attention_mask, position_ids, response_length: int,
-                  vocab_size: int | None = None) -> torch.Tensor:
-    """Logits (B, R, V) predicting the R response tokens; the LM head runs on those positions only. With
-    `vocab_size` smaller than the model's rows (real Qwen3: 151,669 tokens, 151,936 rows) the rows past the
-    tokenizer are cut off, so they are never sampled and never enter a softmax."""
-    L = input_ids.shape[1]
-    start = L - response_length - 1
-    if tail.layer_of(model) is not None:  # the last layer runs on those positions only: the head's input
-        with tail.span(start, L - 1):
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=0, use_cache=False)
-        if out.logits.shape[1] != response_length:
-            raise RuntimeError(f"the last layer ran on {out.logits.shape[1]} positions, not the "
-                               f"{response_length} response positions")
-        return _vocab(out.logits, vocab_size)
-    # exactly the R positions P-1 … P+R-2: a contiguous (B, R, d) input to the head, no slice of its output
-    keep = torch.arange(start, L - 1, device=input_ids.device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=keep, use_cache=False)
-    return _vocab(out.logits, vocab_size)
-
-
-def _vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    return logits if vocab_size is None or vocab_size >= logits.shape[-1] else logits[..., :vocab_size]
-
-
-def padding_counts(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each row's number of leading padding columns (left-padded prompts)."""
-    return (attention_mask.cumsum(-1) == 0).sum(-1)
-
-
-def leading_padding(attention_mask: torch.Tensor, group: int) -> list[int]:
-    """For each run of `group` consecutive rows: the number of leading columns that are padding in every row of
-    the run (left-padded prompts of a micro-batch are often all shorter than the longest of the batch). Dropping
-    them changes no output at a valid position: they are masked keys, and positions come from position_ids."""
-    B, L = attention_mask.shape
-    valid = attention_mask.bool().view(B // group, group, L).any(1)
-    return valid.int().argmax(-1).tolist()
-
-
-def response_slice(x: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Per-position outputs over the full sequence (B, P+R) -> the states that emit the response (B, R)."""
-    return x[:, -response_length - 1: -1]
-
+from rlhf_cli.accel import cpu_linear
+from rlhf_cli.accel.decode import Decoder
+from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES
+from rlhf_cli.models import cpu_flag
+from rlhf_cli.ppo.core import limit_vocab, position_ids_from
 
 # Generation settings the sampling loop below implements; anything else goes through `generate()`.
 _LOOP_KEYS = {"max_new_tokens", "min_new_tokens", "do_sample", "use_cache", "temperature", "top_k", "top_p",
@@ -133,33 +31,25 @@ _LOOP_KEYS = {"max_new_tokens", "min_new_tokens", "do_sample", "use_cache", "tem
               "bos_token_id", "transformers_version", "_from_model_config"}
 
 
-def _effective_generation_config(model, gen_config):
-    """`gen_config` with the model's own generation defaults filling what it leaves unset, as generate() does."""
-    import copy
-
-    eff = copy.deepcopy(gen_config)
-    own = getattr(model, "generation_config", None)
-    if own is not None:
-        eff.update(**own.to_dict(), defaults_only=True)
-    return eff
-
 
 # Settings that change nothing at these values (generate() would also ignore them).
 _NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "typical_p": 1.0,
             "length_penalty": 1.0, "low_memory": None}
 
 
-def _loop_supported(gen_config) -> bool:
+def supported(gen_config) -> bool:
+    """Whether the loop implements these generation settings."""
     if not gen_config.use_cache or gen_config.max_new_tokens is None:
         return False
     return all(k in _LOOP_KEYS or v in (None, False) or (k in _NEUTRAL and v == _NEUTRAL[k])
                for k, v in gen_config.to_diff_dict().items())
 
 
+
 def _draw(probs: torch.Tensor) -> torch.Tensor:
     """One draw per row from categorical `probs` (B, V) by inverting the CDF: the first index whose cumulative
     probability exceeds u·total, u ~ U[0, 1). Same distribution as torch.multinomial(probs, 1), whose CPU kernel
-    draws B·V exponential variates (~1 ms for 32 × 1500, 25× this); a token with probability 0 is never drawn."""
+    draws B·V exponential variates (25× the cost of this one); a token with probability 0 is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
@@ -228,22 +118,12 @@ def _choose(raw: torch.Tensor, p: torch.Tensor, masked: torch.Tensor | None, sha
     return _draw(torch.softmax(scores, dim=-1))
 
 
-def cpu_flag(name: str) -> bool | None:
-    """One of torch.cpu's feature probes (`_is_amx_tile_supported`, `_is_avx512_bf16_supported`, ...); None
-    where this torch has no such probe or it cannot answer."""
-    probe = getattr(torch.cpu, name, None)
-    if not callable(probe):
-        return None
-    try:
-        return bool(probe())
-    except RuntimeError:
-        return None
 
 
 @functools.cache
 def weight_first_cpu() -> str | None:
-    """The kind of CPU `weight_first`'s rules were measured on that this one is: "amx" (an Intel Xeon with AMX
-    tiles), "zen2" (AMD family 23: Zen / Zen 2, AVX2), or None (any other: every layer keeps F.linear)."""
+    """The kind of CPU `weight_first`'s rules were measured on that this one is: "amx" (Intel, with AMX tiles),
+    "amd-f23" (AMD family 23, AVX2), or None (any other: every layer keeps F.linear)."""
     if cpu_flag("_is_amx_tile_supported"):
         return "amx"
     try:
@@ -253,21 +133,16 @@ def weight_first_cpu() -> str | None:
     pairs = (ln.split(":", 1) for ln in info.splitlines()[:40] if ":" in ln)  # the first processor's fields
     fields = {k.strip(): v.strip() for k, v in pairs}
     if fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "23":
-        return "zen2"
+        return "amd-f23"
     return None
 
 
 def weight_first(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear
-    asks BLAS for), by rules measured per CPU kind with bench/linear_probe.py (1 thread) for the sampling
-    steps' few rows. Intel Xeon with AMX: fp32, 8-48 rows, W·xᵀ 1.1-1.8x faster (Qwen3-0.6B's shapes:
-    1.4-1.8x at 8 rows), except weights under 1 M values at 8 rows (0.5-0.8x) and 2 rows (0.5x); bf16,
-    2-48 rows, 1.1-2.2x; from 64 rows the two are even or F.linear wins (sampling Qwen3-0.6B's shape,
-    bench/sampling_probe.py: fp32 1.26x, bf16 1.09x). AMD EPYC Zen 2 (AVX2), fp32: Qwen3-0.6B's layers of
-    2 M values and more 1.1-1.2x at 8 rows, 1.3-1.8x at 16, 1.6-2.4x at 4, its 151,936 x 1,024 LM head 2.0x
-    at 8 rows; 1024 x 1024 even at 8 rows; every bench mid / small shape (under 1 M values) 0.6-0.75x at
-    8 rows, even from 16; 2 rows 0.6-0.8x. An AMD EPYC Zen 4 found W·xᵀ slower at most of these sizes: CPUs
-    of other kinds keep F.linear for every layer."""
+    """Whether a CPU linear layer over `rows` input rows runs faster as W·xᵀ than as x·Wᵀ (what F.linear asks BLAS
+    for), by rules measured per CPU kind for the sampling steps' few rows (bench/probes/linear_probe.py, 1 thread).
+    With AMX tiles: bf16 from 2 to 48 rows; fp32 from 16 to 48 rows, or from 8 rows for weights of 1 M values and
+    more. AMD family 23 (AVX2), fp32: 4 to 16 rows against weights of 2 M values and more. Other CPUs, and more
+    rows, keep F.linear (there the two are even or F.linear wins)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     kind = weight_first_cpu()
@@ -276,7 +151,7 @@ def weight_first(rows: int, weight: torch.Tensor) -> bool:
             return 2 <= rows <= 48
         if weight.dtype == torch.float32:
             return 16 <= rows <= 48 or (8 <= rows <= 48 and weight.numel() >= 2**20)
-    if kind == "zen2" and weight.dtype == torch.float32:
+    if kind == "amd-f23" and weight.dtype == torch.float32:
         return 4 <= rows <= 16 and weight.numel() >= 2**21
     return False
 
@@ -317,8 +192,7 @@ def weight_first_linears(model):
 def preallocated_cache(model, capacity: int):
     """A `DynamicCache` whose full-attention layers write into buffers sized for the whole sample (prompt +
     response) and hand out views of the filled part. The stock layer concatenates each step's keys and values
-    onto the cache, copying all of it every step (bench/sampling_probe.py: 8% of the mid workload's sampling
-    time on a CPU, 2% of Qwen3-0.6B's in fp32); the attention reads the same numbers either way. Other layer kinds (sliding windows, ...) are kept as they are."""
+    onto the cache, copying all of it every step (bench/probes/sampling_probe.py measures the share); the attention reads the same numbers either way. Other layer kinds (sliding windows, ...) are kept as they are."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -349,6 +223,17 @@ def preallocated_cache(model, capacity: int):
     return cache
 
 
+def _warpers(gen_config, sample: bool) -> list:
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = []
+    if sample and gen_config.top_k:
+        warpers.append(TopKLogitsWarper(int(gen_config.top_k)))
+    if sample and gen_config.top_p is not None and float(gen_config.top_p) < 1.0:
+        warpers.append(TopPLogitsWarper(float(gen_config.top_p)))
+    return warpers
+
+
 def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temperature: float = 1.0,
                 keep_logits: bool = False, vocab_size: int | None = None) -> dict:
     """Token-by-token sampling with a KV cache: {"response" (B, R), "logprobs" (B, R), "entropy" (B, R)} and,
@@ -358,14 +243,9 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     logits / temperature, top-k, top-p, then one draw per row (or argmax without sampling). A row that has
     produced a stop token gets pad tokens afterwards, and the loop ends as soon as every row has stopped.
     Log-probs and entropies are those of the raw logits / score_temperature (EOS not masked: the policy's own
-    distribution, as the PPO update recomputes it), taken step by step while each (B, V) row block is small.
-    Without generate()'s per-step machinery, a step costs little more than the model forward itself."""
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
-    B = prompt_ids.shape[0]
-    device = prompt_ids.device
-    R = int(gen_config.max_new_tokens)
-    min_new = int(gen_config.min_new_tokens or 0)
+    distribution, as the PPO update recomputes it), taken step by step while each (B, V) row block is small."""
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    R, min_new = int(gen_config.max_new_tokens), int(gen_config.min_new_tokens or 0)
     eos = gen_config.eos_token_id
     eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(i) for i in eos])
     stop = torch.tensor(stop_ids, device=device) if stop_ids else None
@@ -373,11 +253,7 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     sample = bool(gen_config.do_sample)
     temperature = float(gen_config.temperature if gen_config.temperature is not None else 1.0)
     score_temperature = float(score_temperature)
-    warpers = []
-    if sample and gen_config.top_k:
-        warpers.append(TopKLogitsWarper(int(gen_config.top_k)))
-    if sample and gen_config.top_p is not None and float(gen_config.top_p) < 1.0:
-        warpers.append(TopPLogitsWarper(float(gen_config.top_p)))
+    warpers = _warpers(gen_config, sample)
     # sampling at the scoring temperature without warpers: draw from the scoring distribution itself
     shared = sample and not warpers and temperature == score_temperature
     pad = int(gen_config.pad_token_id)
@@ -387,8 +263,7 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     cache = preallocated_cache(model, prompt_ids.shape[1] + R)
     # The last position's logits by index, not `logits_to_keep=1`: that slices the hidden states to a
     # non-contiguous (B, 1, d) view, and for a frozen bf16 LM head torch.matmul then runs a bmm over the weight
-    # expanded B times (8 x 151,936 x 1,024 bf16 values copied: seconds per prefill on a CPU). An index gathers a
-    # contiguous copy of the B rows and the head is one matrix product.
+    # expanded B times. An index gathers a contiguous copy of the B rows and the head is one matrix product.
     last = torch.tensor([prompt_ids.shape[1] - 1], device=device)
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                 logits_to_keep=last)
@@ -400,7 +275,7 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     last_logits = out.logits[:, -1, :]
     with weight_first_linears(model):
         for t in range(R):
-            logits = _vocab(last_logits, vocab_size)
+            logits = limit_vocab(last_logits, vocab_size)
             if keep_logits:
                 logits_steps.append(logits)
             raw = logits.float()
@@ -433,39 +308,22 @@ def sample_loop(model, prompt_ids, prompt_mask, gen_config, stop_ids, score_temp
     return result
 
 
-@torch.no_grad()
-def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_ids, temperature,
-                   fixed_length: int | None, vocab_size: int | None = None) -> dict:
-    """Sample responses for one chunk; old log-probs come from the sampling logits (no second forward)."""
-    eff = _effective_generation_config(policy, gen_config)
-    if _loop_supported(eff):
-        with lora_merged(policy):
-            g = sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids, score_temperature=temperature,
-                            vocab_size=vocab_size)
-        response, logprobs, entropy = g["response"], g["logprobs"], g["entropy"]
-    else:
-        from transformers import LogitsProcessorList
-
-        procs = LogitsProcessorList([_VocabLimit(vocab_size)] if vocab_size is not None else [])
-        out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                              logits_processor=procs)
-        response = out.sequences[:, prompt_ids.shape[1]:]
-        logits = _vocab(torch.stack(out.logits, dim=1), vocab_size)  # (B, R, V) raw logits, before temperature
-        logprobs, entropy = core.logprobs_and_entropy(logits, response, temperature)
-    if fixed_length is not None and response.shape[1] < fixed_length:
-        raise RuntimeError("generation stopped early although no stop token is configured")
-    # tokens after a stop are pad (the loop and generate() both emit pad there); their log-probs are masked
-    response, mask = truncate_at_stop(response, stop_ids, tokenizer.pad_token_id)
-    return {"response": response, "mask": mask, "logprobs": logprobs, "entropy": entropy}
+def effective_generation_config(model, gen_config):
+    """`gen_config` with the model's own generation defaults filling what it leaves unset, as generate() does."""
+    eff = copy.deepcopy(gen_config)
+    own = getattr(model, "generation_config", None)
+    if own is not None:
+        eff.update(**own.to_dict(), defaults_only=True)
+    return eff
 
 
-class _VocabLimit:
-    """generate() logits processor: ids past the tokenizer get -inf (never sampled)."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = int(vocab_size)
-
-    def __call__(self, input_ids, scores):
-        if scores.shape[-1] > self.vocab_size:
-            scores[:, self.vocab_size:] = float("-inf")
-        return scores
+def sample(policy, prompt_ids, prompt_mask, gen_config, stop_ids, temperature: float,
+           vocab_size: int | None) -> dict | None:
+    """The engine's entry (`rlhf_cli.ppo.sampling`): {"response", "logprobs", "entropy"} for one chunk, or None
+    where the loop does not implement `gen_config` (the caller then runs generate())."""
+    eff = effective_generation_config(policy, gen_config)
+    if not supported(eff):
+        return None
+    with lora_merged(policy):
+        return sample_loop(policy, prompt_ids, prompt_mask, eff, stop_ids, score_temperature=temperature,
+                           vocab_size=vocab_size)

@@ -1,0 +1,14 @@
+"""Sizes at which the speed paths switch, torch-free so that the doctor can plan with them."""
+
+# Sampling with a LoRA policy merges W + B·A into a copy of each adapted weight. On a CPU that copy, once per
+# rollout, outweighs the adapter's small per-step products when the weights are large (bench/probes/merge_probe.py);
+# small models merge, as every model does on a GPU where the copy is cheap.
+CPU_MERGE_MAX_BYTES = 256 * 2**20
+# Scoring forwards run micro-batches of rows grouped by prompt length only where one forward over the rollout chunk
+# would hold more fp32 logits than this (below it, grouping costs more forwards than the padding it saves).
+SCORE_GROUPS_FROM_BYTES = 64 * 2**20
+# oneDNN linear layers: weights with a side under this keep F.linear (small products gain nothing), and each of the
+# two primitive caches holds this many compiled products (both full: about 0.8 MiB a product).
+ONEDNN_MIN_DIM = 128
+ONEDNN_CACHE_CAPACITY = 32
+ONEDNN_CACHE_BYTES = ONEDNN_CACHE_CAPACITY * 0.8 * 2**20

@@ -1,0 +1,123 @@
+"""PPO assembled in one place: the models `rlhf ppo` trains and reads, loaded through `rlhf_cli.models` and given
+the speed paths of `rlhf_cli.accel` (when the config turns them on)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rlhf_cli.accel import FastPaths
+from rlhf_cli.config import require_dir
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.io import read_json
+from rlhf_cli.models import (base_model_dir, check_finite, check_vocab, fp32_trainables, load_policy, load_seq_cls,
+                             load_tokenizer, lora_config, same_vocab)
+from rlhf_cli.ppo.config import REWARD_MODEL
+from rlhf_cli.ppo.forward import TokenValueModel
+
+log = logging.getLogger("rlhf")
+
+
+@dataclass
+class PPOModels:
+    policy: torch.nn.Module        # trainable: a PEFT LoRA model (reference = adapter disabled) or a full model
+    ref: torch.nn.Module | None    # None: the policy with its adapter disabled; else a frozen copy
+    value: torch.nn.Module | None  # TokenValueModel, trainable (all weights, or LoRA + head); None: critic-free
+    reward: torch.nn.Module | None  # TokenValueModel, frozen; None: rewarded by functions alone
+    score_stats: dict | None       # the reward model's score mean / std (for normalisation), or None
+    value_source: str              # where the value model came from (for the log)
+    # called once with the optimizer, before its first step (parameters a speed path trains beside the models')
+    on_optimizer: list[Callable[[torch.optim.Optimizer], None]] = field(default_factory=list)
+
+
+def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | None = None,
+                     world: int = 1) -> PPOModels:
+    """`PPOModels` for `rlhf ppo`: the SFT policy with a fresh LoRA adapter (its adapter-disabled self is the
+    reference; full fine-tuning gets a frozen copy instead), the value model (gae only: from the reward model,
+    the SFT policy, the base or a directory; all weights trained, or LoRA + score head on a frozen trunk) and the
+    frozen reward model (only when `ppo.reward` names it: a run rewarded by functions alone needs no
+    ppo.reward_dir). Frozen weights are stored in `storage`; trainable ones in fp32. `paths`: the speed paths to
+    install (None: none); `world`: the number of processes."""
+    p = cfg.ppo
+    sources = [p.reward] if isinstance(p.reward, str) else list(p.reward)
+    use_rm = REWARD_MODEL in sources
+    policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
+    reward_dir = None
+    if use_rm:
+        reward_dir = require_dir(p.reward_dir, "reward model (ppo.reward_dir)", "rlhf reward", marker="config.json")
+        if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
+            raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({policy_dir}); "
+                            "train the reward model from the same base (rlhf reward) or point ppo.reward_dir at one")
+    policy, ref = _policy(cfg, tok, policy_dir, device, storage)
+    stats = None
+    if use_rm:
+        stats_file = reward_dir / "score_stats.json"
+        stats = read_json(stats_file) if stats_file.exists() else None
+        if p.normalize_scores and stats is None:
+            log.warning("ppo: %s has no score_stats.json; scores are not normalised", reward_dir)
+    value, value_src = None, f"nowhere (ppo.advantage={p.advantage} has no critic)"
+    if str(p.advantage) == "gae":
+        value, value_src = _value(cfg, tok, device, storage, policy_dir, reward_dir, stats)
+    reward = None
+    if use_rm:
+        reward = load_seq_cls(reward_dir, tok, storage, cfg.model).eval().requires_grad_(False)
+        check_finite(reward, "the reward model", reward_dir)
+        reward = TokenValueModel(reward).to(device).eval()
+    fp32_trainables(policy)
+    models = PPOModels(policy=policy, ref=ref, value=value, reward=reward, score_stats=stats,
+                       value_source=str(value_src))
+    if paths is not None:
+        paths.install(policy, ref, value, reward)
+        emb = paths.value_embedding(value, world, float(p.weight_decay))
+        if emb is not None:
+            models.on_optimizer.append(emb.attach)
+    # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
+    models.policy = policy.to(device).eval()
+    return models
+
+
+def _policy(cfg, tok, policy_dir, device, storage):
+    """(policy, ref): the SFT model with a fresh LoRA adapter and no separate reference, or (full fine-tuning)
+    the model in fp32 and a frozen copy as the reference."""
+    p = cfg.ppo
+    lora = bool(p.lora.enabled)
+    policy = load_policy(policy_dir, storage if lora else torch.float32, cfg.model, merge=True)
+    check_vocab(tok, policy, policy_dir)
+    ref = None
+    if lora:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, lora_config(p.lora, "CAUSAL_LM"))
+    else:
+        ref = copy.deepcopy(policy).to(storage).eval().requires_grad_(False).to(device)
+    policy.generation_config.pad_token_id = tok.pad_token_id
+    return policy, ref
+
+
+def _value(cfg, tok, device, storage, policy_dir, reward_dir, stats):
+    """(value model as a TokenValueModel, where it came from) for `ppo.value_init`."""
+    p = cfg.ppo
+    init = str(p.value_init)
+    if init == "reward" and reward_dir is None:
+        log.info("ppo: ppo.reward has no reward model; the value model starts from the SFT policy")
+        init = "sft"
+    src = {"reward": reward_dir, "sft": policy_dir}.get(init)
+    if src is None:
+        src = base_model_dir(cfg) if init == "base" else \
+            require_dir(p.value_init, "value model init (ppo.value_init)", "rlhf reward")
+    value = load_seq_cls(src, tok, storage if p.value_lora else torch.float32, cfg.model)
+    if p.normalize_scores and stats is not None and init == "reward":
+        # The returns are built from normalised scores; a value head copied from the RM predicts raw scores,
+        # std times too large, and its first values would be noise. Rescale the head to the same units.
+        with torch.no_grad():
+            TokenValueModel(value).head.weight.div_(float(stats["std"]))
+    if p.value_lora:
+        from peft import get_peft_model
+
+        value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
+    fp32_trainables(value)
+    return TokenValueModel(value).to(device).eval(), src

@@ -1,0 +1,52 @@
+"""What `rlhf ppo` shows on the console while it trains: a progress bar over episodes and one line per update."""
+
+from __future__ import annotations
+
+import logging
+
+from rlhf_cli.ppo import checkpoint
+from rlhf_cli.ppo.trainer import PPOTrainer
+
+log = logging.getLogger("rlhf")
+
+
+def update_line(update: int, num_updates: int, m: dict[str, float]) -> str:
+    """One update's headline figures as one line of text (the CLI prints it; the trainer prints nothing)."""
+    gt = f" gt {m['objective/ground_truth_rate']:.2f}" if "objective/ground_truth_rate" in m else ""
+    vf = f" vf {m['loss/value_avg']:.3f}" if "loss/value_avg" in m else ""
+    zero = f" zero-std {m['reward/frac_zero_std']:.2f}" if "reward/frac_zero_std" in m else ""
+    return (f"update {update}/{num_updates} ep {m['episodes']} score {m['objective/scores']:+.2f}"
+            f" kl {m['objective/kl']:.2f}{gt} len {m['response/length_mean']:.1f} pg {m['loss/policy_avg']:+.3f}"
+            f"{vf}{zero} clip {m['policy/clipfrac_avg']:.2f} eps {m['eps']:.1f}")
+
+
+
+class console:
+    """A progress bar over episodes and a line every `ppo.logging_steps` updates (main process), chained in
+    front of the trainer's own on_update hook; on Ctrl-C, says whether a checkpoint can continue the run."""
+
+    def __init__(self, trainer: PPOTrainer, main: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.trainer, self.main, n = trainer, main, trainer.sizes.num_updates
+        self.bar = tqdm(total=n * trainer.sizes.batch_size, initial=trainer.progress.episodes, unit="ep",
+                        desc="ppo", disable=not main, dynamic_ncols=True)
+        user = trainer.hooks.on_update
+
+        def on_update(update: int, m: dict) -> None:
+            self.bar.update(trainer.sizes.batch_size)
+            if main and (update % max(trainer.c.logging_steps, 1) == 0 or update == n):
+                self.bar.write(update_line(update, n, m))
+            user(update, m)
+
+        trainer.hooks.on_update = on_update
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self.bar.close()
+        if kind is KeyboardInterrupt:
+            saved = checkpoint.latest(self.trainer.work / "checkpoints")
+            log.error("ppo: interrupted; %s", f"`ppo.resume=true` continues from {saved}" if saved else
+                      "no checkpoint was written yet (ppo.save_every), nothing to resume")
