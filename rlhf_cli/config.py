@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_cli import schema
+from rlhf_cli.choices import COMMANDS  # noqa: F401 - importable from here, as the CLI and the tests do
 from rlhf_cli.errors import RlhfError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -28,7 +30,6 @@ CONFIG_ROOT = config_root()
 CONF_DIR = CONFIG_ROOT / "conf"
 RECIPES_DIR = CONFIG_ROOT / "recipes"  # the shipped recipes; users add their own (recipe_dirs)
 RECIPES_ENV = "RLHF_RECIPES"           # more recipe folders, separated by os.pathsep
-COMMANDS = ("sft", "reward", "ppo", "eval", "chat", "export", "doctor")
 # Hydra looks a config group up under its search-path roots (<root>/recipes/NAME.yaml), which a user folder
 # of any name cannot be: a user recipe is loaded and stored in Hydra's ConfigStore as the option
 # `recipes=user/NAME`.
@@ -233,10 +234,14 @@ def searchpath_override() -> str:
     return f"hydra.searchpath=[file://{CONFIG_ROOT}]"
 
 
-def _quote(value: str) -> str:
-    # Inside Hydra's quoted strings a backslash is literal unless it is part of a run of backslashes before a
-    # quote (or before the closing quote): only those runs are doubled, and quotes escaped.
+def quote(value: str) -> str:
+    """`value` as a quoted Hydra override value. Inside Hydra's quoted strings a backslash is literal unless it
+    is part of a run of backslashes before a quote (or before the closing quote): only those runs are doubled,
+    and quotes escaped."""
     return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value) + "'"
+
+
+_quote = quote  # the old private name, until rlhf_cli.cli and rlhf_cli.multirun import `quote`
 
 
 def _free_text(override: str, command: str) -> str:
@@ -246,11 +251,11 @@ def _free_text(override: str, command: str) -> str:
     if not sep or value[:1] in ("'", '"'):
         return override
     if command == "chat" and key in ("prompt", "system_prompt"):
-        return f"chat.{key}={_quote(value)}"
+        return f"chat.{key}={quote(value)}"
     # special-token spellings such as <|endoftext|> are never Hydra syntax
     if key in ("chat.prompt", "chat.system_prompt", "data.system_prompt") or not value.isascii() \
             or any(c in value for c in "<|>"):
-        return f"{key}={_quote(value)}"
+        return f"{key}={quote(value)}"
     return override
 
 
@@ -258,8 +263,6 @@ def translate_overrides(command: str, overrides: list[str]) -> list[str]:
     """User overrides -> Hydra overrides: `recipe=NAME` selects NAME.yaml from the recipe search path
     (recipe_dirs); free text is quoted. Keys that the config groups do not have are refused here, before Hydra
     (see rlhf_cli.schema)."""
-    from rlhf_cli import schema
-
     schema.check_override_keys(overrides, command)
     out = [searchpath_override(), f"command={command}"]
     recipes = find_recipes()
@@ -290,8 +293,6 @@ def compose(command: str, overrides: list[str] | None = None, validate: bool = T
     check it against the schema as the CLI does (`validate=False`: a test of a later check)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-
-    from rlhf_cli import schema
 
     register_resolvers()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):

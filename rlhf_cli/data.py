@@ -21,11 +21,11 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_cli.choices import DATA_FORMATS as FORMATS  # data.format's values besides auto
 from rlhf_cli.errors import RlhfError
 
 log = logging.getLogger("rlhf")
 
-FORMATS = ("seed", "prompt", "conversational", "messages")
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 

@@ -9,7 +9,7 @@ Parameters (Qwen3 / Llama-style decoder: RMSNorm, grouped-query attention, SwiGL
     1-output score head (h) instead of the LM head. LoRA adds r·(in + out) per adapted linear layer
     ("all-linear": q, k, v, o, gate, up, down; the LM head only when named, and never on a value model).
 
-Precision (models.resolve_precision)
+Precision (rlhf_cli.precision, the rule models.resolve_precision applies too)
     `model.dtype` (wb) stores FROZEN weights: the PPO policy's base (with its adapter disabled, also the
     reference), the reward model, a LoRA value model's trunk. `device.mixed_precision` (cb) is the compute
     dtype of activations and logits (autocast). Every TRAINABLE parameter is fp32 with fp32 gradients and
@@ -68,6 +68,9 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, ONEDNN_CACHE_BYTES, ONEDNN_CACHE_CAPACITY, ONEDNN_MIN_DIM
+from rlhf_cli.choices import REWARD_MODEL, TRAIN_STAGES
+from rlhf_cli.precision import SHORT, precision
 from rlhf_cli.tiny import is_tiny_spec
 
 GiB = 2**30
@@ -75,8 +78,8 @@ MiB = 2**20
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Measured on a 2-core CPU box with the tiny recipe (torch 2.13, transformers 5.24, trl 1.16, peft 0.21,
-# 1 thread) with tests/rss_probe.py: peak RSS growth (after the stage's imports) minus the static tensors and
-# the slack on the transient ones, fitted over runs of the recipe (sft and reward 5 steps, a full epoch, and
+# 1 thread) with bench/probes/rss_probe.py: peak RSS growth (after the stage's imports) minus the static tensors
+# and the slack on the transient ones, fitted over runs of the recipe (sft and reward 5 steps, a full epoch, and
 # micro-batch 1; ppo 8, 128 and 512 episodes; runs of one configuration differ by up to ±20 MiB) - what a run
 # allocates that no term above counts: library code imported on first use, tokenizer, data and datasets, the
 # trainer, thread pools. They follow the stages' code: re-measure when a stage changes what it allocates
@@ -155,12 +158,12 @@ def arch_for_model(model_cfg) -> tuple[Arch, str]:
         t = model_cfg.tiny
         # the tokenizer trained on the demo data can come out a little smaller than vocab_size: an upper bound;
         # embedding_rows, when set, is the model's vocabulary (the logits have that many entries)
-        rows = int(t.get("embedding_rows") or t.vocab_size)
+        rows = int(t.embedding_rows or t.vocab_size)
         return Arch(rows, int(t.hidden_size), int(t.intermediate_size), int(t.num_hidden_layers),
                     int(t.num_attention_heads), int(t.num_key_value_heads), int(t.head_dim), True), \
             "model.tiny (conf/model/tiny.yaml)"
     local = Path(name).expanduser() / "config.json"
-    files = [local] if local.is_file() else _cached_config_files(name, model_cfg.get("cache_dir"))
+    files = [local] if local.is_file() else _cached_config_files(name, model_cfg.cache_dir)
     for f in files:
         try:
             return arch_from_config(json.loads(f.read_text(encoding="utf-8"))), str(f)
@@ -278,8 +281,9 @@ def fused_head_bytes(a: Arch, tokens: int, cb: int, accelerator: str, training: 
                      head_trainable: bool) -> float:
     """Peak bytes of trl's fused LM head over `tokens` positions: one compute-dtype tile; on the CPU (its
     torch fallback) the tile's fp32 temporaries too, measured in the tiny recipe's SFT runs at 10 B per tile
-    element in an evaluation and 20 B in a training step; on a GPU a Triton kernel folds the tile in place. A training step adds the fp32
-    gradient accumulators of the hidden states and, when the LM head trains, of its weight."""
+    element in an evaluation and 20 B in a training step; on a GPU a Triton kernel folds the tile in place. A
+    training step adds the fp32 gradient accumulators of the hidden states and, when the LM head trains, of its
+    weight."""
     tile = min(tokens, FUSED_TILE[0]) * min(a.vocab_size, FUSED_TILE[1])
     per = cb if accelerator == "cuda" else cb + (20 if training else 10)
     grads = 4 * a.hidden_size * (tokens + (a.vocab_size if head_trainable else 0)) if training else 0
@@ -362,38 +366,24 @@ class Setup:
     lengths: Lengths = Lengths()
 
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8}
-
-
-def precision(cfg) -> tuple[str, str]:
-    """(frozen-weight dtype, compute dtype) names as models.resolve_precision resolves them, for the device
-    the recipe names: auto is bf16 on a GPU (fp16 on one without bf16: the same size), fp32 on the CPU; fp32
-    compute over 16-bit frozen weights runs at their dtype."""
-    acc = str(cfg.device.accelerator)
-    dtype = str(cfg.model.dtype)
-    if dtype in ("auto", "None"):
-        dtype = "bfloat16" if acc == "cuda" else "float32"
-    mp = str(cfg.device.get("mixed_precision") or "auto")
-    compute = {"auto": "bf16" if acc == "cuda" else "fp32", "no": "fp32"}.get(mp, mp)
-    if compute == "fp32" and DTYPE_BYTES.get(dtype, 4) < 4:
-        compute = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-    return dtype, compute
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def setup_from(cfg, visible_gpus: int = 0, lengths: Lengths | None = None) -> Setup:
     """`device.num_processes=auto` plans for the visible GPUs (8 when none is visible here)."""
     d = cfg.device
-    dtype, compute = precision(cfg)
+    # planned for the device the recipe names, whatever this machine has: a GPU with bf16 (fp16 is the same size)
+    p = precision(cfg.model.dtype, d.mixed_precision, str(d.accelerator),
+                  cuda_bf16=True if str(d.accelerator) == "cuda" else None)
     n = d.num_processes
     per_machine = (visible_gpus or 8) if str(n) == "auto" else int(n)
-    strategy = str(d.get("strategy") or "single")
-    zero = int(d.get("zero_stage") or 0) if strategy == "deepspeed" else 0
-    return Setup(accelerator=str(d.accelerator), strategy=strategy,
-                 world=per_machine * int(d.get("num_machines") or 1), per_machine=per_machine,
-                 zero_stage=zero, offload_optimizer=bool(d.get("offload_optimizer")),
-                 offload_params=bool(d.get("offload_params")),
-                 frozen_bytes=DTYPE_BYTES.get(dtype, 4), compute_bytes=DTYPE_BYTES.get(compute, 4),
-                 dtype_name=dtype, compute_name=compute, lengths=lengths or Lengths())
+    strategy = str(d.strategy)
+    zero = int(d.zero_stage) if strategy == "deepspeed" else 0
+    return Setup(accelerator=str(d.accelerator), strategy=strategy, world=per_machine * int(d.num_machines),
+                 per_machine=per_machine, zero_stage=zero, offload_optimizer=bool(d.offload_optimizer),
+                 offload_params=bool(d.offload_params), frozen_bytes=DTYPE_BYTES[p.storage],
+                 compute_bytes=DTYPE_BYTES[p.compute], dtype_name=p.storage, compute_name=SHORT[p.compute],
+                 lengths=lengths or Lengths())
 
 
 def prompt_tokens(cfg, s: Setup) -> tuple[int, str]:
@@ -492,7 +482,7 @@ def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
     b = int(st.per_device_train_batch_size)
     t, t_note = sequence_tokens(cfg, "sft", s)
     plan.notes.append(f"sequence length {t} tokens: {t_note}")
-    ckpt = bool(st.get("activation_checkpointing"))
+    ckpt = bool(st.activation_checkpointing)
     act = _activations(a, b, t, cb, ckpt, cast=_casts(s), **kw)
     lora_head = bool(st.lora.enabled) and "lm_head" in lora_targets(st.lora.target_modules)
     logits = fused_head_bytes(a, b * t, cb, s.accelerator, True, not bool(st.lora.enabled) or lora_head)
@@ -523,7 +513,7 @@ def plan_reward(cfg, a: Arch, s: Setup) -> StagePlan:
     b, be = 2 * int(st.per_device_train_batch_size), 2 * int(st.per_device_eval_batch_size)
     t, t_note = sequence_tokens(cfg, "reward", s)
     plan.notes.append(f"sequence length {t} tokens: {t_note}")
-    ckpt = bool(st.get("activation_checkpointing"))
+    ckpt = bool(st.activation_checkpointing)
     act = _activations(a, b, t, cb, ckpt, **kw)
     note = f"{b} sequences (chosen + rejected) × {t} tokens × {a.num_hidden_layers} layers"
     plan.items.append(Item("activations", act, note + (" (checkpointed)" if ckpt else ""), "transient"))
@@ -540,7 +530,7 @@ def plan_reward(cfg, a: Arch, s: Setup) -> StagePlan:
 
 def recomputes_logprobs(cfg, s: Setup) -> bool:
     """ppo.recompute_logprobs: auto recomputes the old log-probs when compute is not fp32."""
-    v = str(cfg.ppo.get("recompute_logprobs", "auto")).lower()
+    v = str(cfg.ppo.recompute_logprobs).lower()
     return v == "true" or (v == "auto" and s.compute_bytes < 4)
 
 
@@ -561,14 +551,14 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
         copies += _trainable(plan, ps, "policy weights", pl, "policy")
         _frozen(plan, ps, "reference weights", pl)
     n_value = 0
-    if str(p.get("advantage", "gae")) != "gae":
+    if str(p.advantage) != "gae":
         plan.items.append(Item("value model", 0, f"none: ppo.advantage={p.advantage} needs no critic"))
     elif bool(p.value_lora):
         _frozen(plan, ps, "value trunk", pc)
         n_value = lora_params(a, r, value_targets) + a.hidden_size
         copies += _trainable(plan, ps, "value LoRA + score head", n_value, "value LoRA")
-    elif bool(p.get("sparse_value_embedding", True)) and ps.world == 1 and not float(p.get("weight_decay", 0.0)):
-        # the embedding steps through the rows tokens reach (rlhf_cli/ppo/sparse_rows.py): no dense gradient; its
+    elif bool(p.sparse_value_embedding) and ps.world == 1 and not float(p.weight_decay):
+        # the embedding steps through the rows tokens reach (rlhf_cli/accel/sparse_rows.py): no dense gradient; its
         # moments grow with the distinct tokens seen, planned here for every row (a long run's upper bound)
         n_value, emb = pc, a.vocab_size * a.hidden_size
         copies += _trainable(plan, ps, "value model weights (less the embedding)", pc - emb, "value model")
@@ -578,20 +568,94 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
     else:
         n_value = pc
         copies += _trainable(plan, ps, "value model weights", pc, "value model")
-    sources = p.get("reward", ["model"])
-    if "model" in ([sources] if isinstance(sources, str) else list(sources)):
+    sources = p.reward
+    if REWARD_MODEL in ([sources] if isinstance(sources, str) else list(sources)):
         _frozen(plan, ps, "reward model weights", pc)
     # what a checkpoint holds: the trainable weights (fp32) and their AdamW states, plus counters and RNG
     plan.checkpoint = (n_policy + n_value) * (4 + 8)
     return copies
 
 
-def _onednn_linears(cfg, a: Arch, s: Setup) -> bool:
-    """Whether PPO's linear layers run on oneDNN here (rlhf_cli.ppo.cpu_linear: fp32 on the CPU, wide enough)."""
-    from rlhf_cli.ppo import cpu_linear
+def _onednn_caches(cfg, a: Arch, s: Setup) -> bool:
+    """Whether PPO's linear layers may run on oneDNN here (rlhf_cli.accel.cpu_linear), decided without timing
+    anything: on the CPU, device.fast_paths not off, device.cpu_matmul not blas, fp32 weights and compute,
+    layers at least ONEDNN_MIN_DIM wide. Under cpu_matmul=auto the run's one-time check may keep BLAS: the
+    plan counts the caches anyway (an upper bound)."""
+    d = cfg.device
+    return (s.accelerator == "cpu" and str(d.fast_paths) != "off" and str(d.cpu_matmul) != "blas"
+            and s.compute_name == "fp32" and s.frozen_bytes == 4 and a.hidden_size >= ONEDNN_MIN_DIM)
 
-    return (s.accelerator == "cpu" and s.compute_name == "fp32" and s.frozen_bytes == 4
-            and a.hidden_size >= cpu_linear.MIN_DIM and cpu_linear.resolve(str(cfg.device.get("cpu_matmul") or "auto")))
+
+def _ppo_sampling(plan: StagePlan, a: Arch, ps: Setup, f: int, seq: int, adapted: tuple | None) -> None:
+    """Rollout, step 1: sampling `f` sequences of `seq` tokens with a KV cache (adapted: the LoRA policy's
+    adapted layers, None without LoRA)."""
+    cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
+    kv = 2 * L * a.kv_dim * f * seq * cb
+    step_logits = f * V * (cb + 32)
+    plan.items.append(Item("KV cache", kv, f"2·{L} layers·{a.kv_dim}·{f} seqs·{seq} tokens × {cb} B",
+                           "transient"))
+    plan.items.append(Item("sampling step logits", step_logits, f"{f}·{V} × ({cb} + 32) B: one step's "
+                           "logits, fp32 log-softmax / entropy, float64 CDF", "transient"))
+    merged = 0.0
+    if adapted is not None:
+        # sampling runs on the LoRA merged into a copy of each adapted weight (the sampling loop of
+        # rlhf_cli.accel), except on a CPU with adapted weights over CPU_MERGE_MAX_BYTES
+        merged = adapted_weight_params(a, adapted) * wb
+        if ps.accelerator == "cpu" and merged > CPU_MERGE_MAX_BYTES:
+            merged = 0.0
+        else:
+            plan.items.append(Item("merged LoRA weights", merged,
+                                   f"W + B·A copies of the adapted weights × {wb} B", "transient"))
+    plan.phases["sampling"] = kv + step_logits + merged
+
+
+def _ppo_scoring(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, resp: int) -> None:
+    """Rollout, step 2: scoring (reference / recomputed log-probs, values, reward), no gradients."""
+    cb, V = ps.compute_bytes, a.vocab_size
+    recompute = recomputes_logprobs(cfg, ps)
+    frv = f * resp * V
+    extra = logit_temporaries(cb) if recompute else 8
+    one_layer = f * seq * layer_working_bytes(a, cb)
+    scored = "recomputed log-probs with their entropy" if recompute else "reference log-probs"
+    if recompute and cb < 4:
+        # low-precision logits: log-probs and entropy are taken one row at a time (ppo.core), so the float32
+        # temporaries cover one (R, V) row, not the chunk
+        score = frv * cb + resp * V * extra
+        what = f"{f}·{resp}·{V} × {cb} B + one row's {resp}·{V} × {extra} B: {scored}"
+    else:
+        score = frv * (cb + extra)
+        what = f"{f}·{resp}·{V} × ({cb} + {extra}) B: {scored}"
+    plan.items.append(Item("scoring logits", score, what + ", + one layer", "transient"))
+    plan.phases["scoring"] = score + one_layer
+
+
+def _ppo_training(plan: StagePlan, p, a: Arch, ps: Setup, seq: int, copies: float) -> None:
+    """Step 5, a training micro-batch: the policy's forward, log-softmax and backward, then the value model's
+    (PPOTrainer.micro_batch_step): the two sets of activations are never alive together."""
+    cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
+    b, resp = int(p.per_device_train_batch_size), int(p.response_length)
+    targets, r = lora_targets(p.lora.target_modules), int(p.lora.r)
+    value_targets = tuple(t for t in targets if t != "lm_head")  # a value model has no LM head
+    lora, value_lora, cast = bool(p.lora.enabled), bool(p.value_lora), _casts(ps)
+    act_p = _activations(a, b, seq, cb, trainable=not lora, lora=targets if lora else (), r=r, cast=cast,
+                         residual_bytes=wb if lora else 4)
+    plan.items.append(Item("policy activations", act_p, f"micro-batch {b} × {seq} tokens × {L} layers",
+                           "transient"))
+    act_v = 0.0
+    if str(p.advantage) == "gae":
+        act_v = _activations(a, b, seq, cb, trainable=not value_lora,
+                             lora=value_targets if value_lora else (), r=r, cast=cast,
+                             residual_bytes=wb if value_lora else 4)
+        plan.items.append(Item("value activations", act_v, f"micro-batch {b} × {seq} tokens × {L} layers",
+                               "transient"))
+    per_logit = cb + logit_temporaries(cb)
+    logits = b * resp * V * per_logit
+    plan.items.append(Item("policy logits", logits, f"{b}·{resp}·{V} × ({cb} + {per_logit - cb}) B: logits, "
+                           "fp32 log-softmax and entropy temporaries", "transient"))
+    if copies:
+        plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
+                               "transient"))
+    plan.phases["training step"] = copies + max(act_p + logits, act_v)
 
 
 def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
@@ -600,20 +664,11 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     # ppo runs under ddp only
     ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0, offload_optimizer=False,
                  offload_params=False)
-    cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
-    targets, r = lora_targets(p.lora.target_modules), int(p.lora.r)
-    value_targets = tuple(t for t in targets if t != "lm_head")
-    lora, value_lora = bool(p.lora.enabled), bool(p.value_lora)
-    critic = str(p.get("advantage", "gae")) == "gae"
     copies = _ppo_weights(plan, p, a, ps)
-    if _onednn_linears(cfg, a, ps):
-        from rlhf_cli.ppo import cpu_linear
-
-        plan.items.append(Item("oneDNN primitive caches", cpu_linear.CACHE_BYTES,
-                               f"{cpu_linear.CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
-
-    b = int(p.per_device_train_batch_size)
-    resp = int(p.response_length)
+    if _onednn_caches(cfg, a, ps):
+        plan.items.append(Item("oneDNN primitive caches", ONEDNN_CACHE_BYTES,
+                               f"{ONEDNN_CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
+    b, resp = int(p.per_device_train_batch_size), int(p.response_length)
     prompt, prompt_note = prompt_tokens(cfg, s)
     seq = prompt + resp
     plan.notes.append(f"sequence length {seq} tokens: prompt {prompt} ({prompt_note}) + response {resp} "
@@ -623,70 +678,13 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     buffer = local_batch * (seq * 8 * 3 + resp * (8 + 4 * 6))
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
-
-    # rollout, step 1: sampling with a KV cache
-    kv = 2 * L * a.kv_dim * f * seq * cb
-    step_logits = f * V * (cb + 32)
-    plan.items.append(Item("KV cache", kv, f"2·{L} layers·{a.kv_dim}·{f} seqs·{seq} tokens × {cb} B",
-                           "transient"))
-    plan.items.append(Item("sampling step logits", step_logits, f"{f}·{V} × ({cb} + 32) B: one step's "
-                           "logits, fp32 log-softmax / entropy, float64 CDF", "transient"))
-    merged = 0.0
-    if lora:
-        # sampling runs on the LoRA merged into a copy of each adapted weight (ppo.rollout.lora_merged), except on
-        # a CPU with adapted weights over CPU_MERGE_MAX_BYTES
-        from rlhf_cli.ppo.config import CPU_MERGE_MAX_BYTES
-
-        merged = adapted_weight_params(a, targets) * wb
-        if ps.accelerator == "cpu" and merged > CPU_MERGE_MAX_BYTES:
-            merged = 0.0
-        else:
-            plan.items.append(Item("merged LoRA weights", merged,
-                                   f"W + B·A copies of the adapted weights × {wb} B", "transient"))
-    plan.phases["sampling"] = kv + step_logits + merged
-    # rollout, step 2: scoring (reference / recomputed log-probs, values, reward), no gradients
-    recompute = recomputes_logprobs(cfg, ps)
-    frv = f * resp * V
-    extra = logit_temporaries(cb) if recompute else 8
-    one_layer = f * seq * layer_working_bytes(a, cb)
-    if recompute and cb < 4:
-        # low-precision logits: log-probs and entropy are taken one row at a time (ppo.core), so the float32
-        # temporaries cover one (R, V) row, not the chunk
-        score = frv * cb + resp * V * extra
-        what = f"{f}·{resp}·{V} × {cb} B + one row's {resp}·{V} × {extra} B: recomputed log-probs with their entropy"
-    else:
-        score = frv * (cb + extra)
-        what = f"{f}·{resp}·{V} × ({cb} + {extra}) B: " + ("recomputed log-probs with their entropy" if recompute
-                                                          else "reference log-probs")
-    plan.items.append(Item("scoring logits", score, what + ", + one layer", "transient"))
-    plan.phases["scoring"] = score + one_layer
-
-    # step 5: a training micro-batch: the policy's forward, log-softmax and backward, then the value model's
-    # (PPOTrainer.micro_batch_step): the two sets of activations are never alive together
-    cast = _casts(ps)
-    act_p = _activations(a, b, seq, cb, trainable=not lora, lora=targets if lora else (), r=r, cast=cast,
-                         residual_bytes=wb if lora else 4)
-    act_v = 0.0
-    if critic:
-        act_v = _activations(a, b, seq, cb, trainable=not value_lora, lora=value_targets if value_lora else (),
-                             r=r, cast=cast, residual_bytes=wb if value_lora else 4)
-    per_logit = cb + logit_temporaries(cb)
-    logits = b * resp * V * per_logit
-    plan.items.append(Item("policy activations", act_p, f"micro-batch {b} × {seq} tokens × {L} layers",
-                           "transient"))
-    if critic:
-        plan.items.append(Item("value activations", act_v, f"micro-batch {b} × {seq} tokens × {L} layers",
-                               "transient"))
-    plan.items.append(Item("policy logits", logits, f"{b}·{resp}·{V} × ({cb} + {per_logit - cb}) B: logits, "
-                           "fp32 log-softmax and entropy temporaries", "transient"))
-    if copies:
-        plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
-                               "transient"))
-    plan.phases["training step"] = copies + max(act_p + logits, act_v)
+    _ppo_sampling(plan, a, ps, f, seq, lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None)
+    _ppo_scoring(plan, cfg, a, ps, f, seq, resp)
+    _ppo_training(plan, p, a, ps, seq, copies)
     return plan
 
 
-PLANNERS = {"sft": plan_sft, "reward": plan_reward, "ppo": plan_ppo}
+PLANNERS = dict(zip(TRAIN_STAGES, (plan_sft, plan_reward, plan_ppo)))  # the stages doctor.stages may name
 
 
 def plan_stage(cfg, stage: str, a: Arch, s: Setup | None = None) -> StagePlan:
@@ -720,7 +718,7 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
     if stage == "sft" and int(st.per_device_eval_batch_size) > 1:
         out.append(({"sft.per_device_eval_batch_size": max(int(st.per_device_eval_batch_size) // 2, 1)}, {}))
     if stage in ("sft", "reward"):
-        if not bool(st.get("activation_checkpointing")):
+        if not bool(st.activation_checkpointing):
             out.append(({f"{stage}.activation_checkpointing": True}, {}))
         if s.accelerator == "cuda":
             n = max(s.per_machine, 2)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.precision import autocast_dtype, precision, storage_dtype
 
 log = logging.getLogger("rlhf")
 
@@ -47,51 +48,31 @@ def setup_torch(cfg) -> None:
 
 
 def resolve_dtype(name: str, accelerator: str) -> torch.dtype:
-    """auto: bf16 on GPUs that support it, else fp16 on CUDA, fp32 on the CPU."""
-    if name in (None, "auto"):
-        if accelerator == "cuda" and torch.cuda.is_available():
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    try:
-        dtype = getattr(torch, str(name))
-    except AttributeError:
-        dtype = None
-    if not isinstance(dtype, torch.dtype):
-        raise RlhfError(f"model.dtype={name} is not a torch dtype; use auto, float32, bfloat16 or float16")
-    return dtype
+    """`model.dtype` as a torch dtype (the rule: rlhf_cli.precision.storage_dtype)."""
+    cuda_bf16 = torch.cuda.is_bf16_supported() if accelerator == "cuda" and torch.cuda.is_available() else None
+    return getattr(torch, storage_dtype(name, accelerator, cuda_bf16))
 
 
 def resolve_compute_dtype(name: str | None, accelerator: str) -> torch.dtype | None:
-    """`device.mixed_precision` -> the autocast dtype, or None for fp32 compute. auto: bf16 on GPUs that support
-    it, fp16 on other GPUs, fp32 on the CPU."""
-    name = "auto" if name is None else str(name)
-    if name == "auto":
-        if accelerator == "cuda" and torch.cuda.is_available():
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return None
-    table = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if name not in table:
-        raise RlhfError(f"device.mixed_precision={name} is unknown; use auto, no, bf16 or fp16")
-    return table[name]
+    """`device.mixed_precision` -> the autocast dtype, or None for fp32 compute (rlhf_cli.precision)."""
+    cuda_bf16 = torch.cuda.is_bf16_supported() if accelerator == "cuda" and torch.cuda.is_available() else None
+    compute = autocast_dtype(name, accelerator, cuda_bf16)
+    return None if compute is None else getattr(torch, compute)
 
 
 def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
-    """(storage dtype of frozen weights from `model.dtype`, compute dtype from `device.mixed_precision`).
-
-    Frozen weights (the reference / base, the reward model, frozen trunks) may be stored in bf16/fp16 to save
-    memory; every trainable parameter keeps fp32 master weights and optimizer state, and runs under autocast at
-    the compute dtype (None: fp32)."""
+    """(storage dtype of frozen weights from `model.dtype`, compute dtype from `device.mixed_precision`, None
+    for fp32), by the rule of rlhf_cli.precision, with this machine's CUDA and CPU."""
     acc = str(cfg.device.accelerator)
-    storage = resolve_dtype(cfg.model.dtype, acc)
-    compute = resolve_compute_dtype(cfg.device.get("mixed_precision"), acc)
-    if compute is None and storage != torch.float32:
-        compute = storage  # bf16/fp16 weights cannot meet fp32 activations in a matmul: autocast at their dtype
-    if acc == "cpu" and compute == torch.bfloat16 and cpu_bf16_native() is False:
+    cuda_bf16 = torch.cuda.is_bf16_supported() if acc == "cuda" and torch.cuda.is_available() else None
+    p = precision(cfg.model.dtype, cfg.device.get("mixed_precision"), acc, cuda_bf16=cuda_bf16,
+                  cpu_bf16=cpu_bf16_native() if acc == "cpu" else None)
+    if p.slow_cpu_bf16:
         cap = torch.backends.cpu.get_cpu_capability()
         _warn_once("cpu-bf16", f"bf16 on this CPU ({cap}, no AVX512-BF16 or AMX) runs its matmuls without "
                    "bf16 units, 49-98x slower than fp32 (make bench-real, one AVX2 core); for CPU runs set "
                    "model.dtype=float32 device.mixed_precision=no")
-    return storage, compute
+    return getattr(torch, p.storage), None if p.autocast is None else getattr(torch, p.autocast)
 
 
 def cpu_bf16_native() -> bool | None:

@@ -18,26 +18,40 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlhf_cli.config import COMMANDS
-from rlhf_cli.data import FORMATS
+from rlhf_cli.choices import (
+    ACCELERATORS,
+    ADVANTAGES,
+    COMMANDS,
+    CPU_MATMUL,
+    DATA_FORMATS,
+    DTYPES,
+    FAST_PATHS,
+    FSDP_STATE_DICT_TYPES,
+    GROUND_TRUTH,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    MIXED_PRECISIONS,
+    MODEL_HUBS,
+    RDZV_BACKENDS,
+    RECOMPUTE_LOGPROBS,
+    REPORT_TO,
+    REWARD_MODEL,
+    SCHEDULERS,
+    SCHEDULERS_NOT_RUN,
+    STOP_TOKENS,
+    STRATEGIES,
+    TRAIN_STAGES,
+    WANDB_MODES,
+)
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.launch import STRATEGIES
-from rlhf_cli.memory import PLANNERS
 
 # config groups whose keys are all known: anything else under them is a typo or a key that has gone
 GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "eval", "chat", "doctor", "export", "logging")
-# learning-rate schedules, by transformers' SchedulerType names (tests/test_config.py checks both lists)
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt")  # need nothing but the warmup and total step counts
-# need a metric (reduce_lr_on_plateau, greedy) or arguments rlhf does not pass (min_lr, num_decay_steps), and
-# fail inside the trainer or the PPO loop
-SCHEDULERS_NOT_RUN = ("reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-                      "warmup_stable_decay")
 # keys that existed once: their own message instead of a guess
 RENAMED = {"ppo.target_kl_value": "ppo.adaptive_kl_target"}
 REMOVED = {"ppo.lora.dropout": "the PPO adapter trains without dropout (its old log-probs come from sampling "
@@ -49,7 +63,7 @@ class Rule:
     """What one key accepts. `kind`: int | float | bool | text | enum | scheduler | int_list | enum_list |
     modules (a module name or a list of them) | mapping (name -> text) | function (one of `choices` or a
     `module:function` / `path.py:function` reference) | sources (a list of `choices` and function references) |
-    number_list (finite numbers)."""
+    number_list (finite numbers). `help`: what the key means, where its allowed values do not say it."""
 
     kind: str
     lo: float | None = None
@@ -59,34 +73,40 @@ class Rule:
     choices: tuple = ()        # enum / enum_list: the values; int: values allowed besides the range
     nullable: bool = False     # null is allowed (the yaml's default is null, or null means "automatic")
     empty: bool = False        # text: the empty string is allowed
+    help: str = field(default="", compare=False)
 
 
-def whole(lo: int | None = None, hi: int | None = None, *, also: tuple = (), null: bool = False) -> Rule:
-    return Rule("int", lo=lo, hi=hi, choices=also, nullable=null)
+def whole(lo: int | None = None, hi: int | None = None, *, also: tuple = (), null: bool = False,
+          help: str = "") -> Rule:
+    return Rule("int", lo=lo, hi=hi, choices=also, nullable=null, help=help)
 
 
 def number(lo: float | None = None, hi: float | None = None, *, gt: float | None = None,
-           lt: float | None = None, null: bool = False) -> Rule:
+           lt: float | None = None, null: bool = False, help: str = "") -> Rule:
     """A finite number in [lo, hi]; `gt` / `lt` instead of `lo` / `hi` leave the bound itself out."""
     return Rule("float", lo=gt if gt is not None else lo, hi=lt if lt is not None else hi,
-                lo_open=gt is not None, hi_open=lt is not None, nullable=null)
+                lo_open=gt is not None, hi_open=lt is not None, nullable=null, help=help)
 
 
-def flag() -> Rule:
-    return Rule("bool")
+def flag(help: str = "") -> Rule:
+    return Rule("bool", help=help)
 
 
-def text(*, null: bool = False, empty: bool = False) -> Rule:
+def text(*, null: bool = False, empty: bool = False, help: str = "") -> Rule:
     """A string: a path, a name, a prompt. Non-empty unless `empty`."""
-    return Rule("text", nullable=null, empty=empty)
+    return Rule("text", nullable=null, empty=empty, help=help)
 
 
-def one_of(*choices) -> Rule:
+def one_of(*choices, help: str = "") -> Rule:
     """One of the listed values; a None among them means null is allowed."""
-    return Rule("enum", choices=tuple(c for c in choices if c is not None), nullable=None in choices)
+    return Rule("enum", choices=tuple(c for c in choices if c is not None), nullable=None in choices, help=help)
 
 
-COUNT = whole(1)                       # a size or a number of steps: 0 makes no sense
+def count(help: str = "") -> Rule:
+    """A size or a number of steps: 0 makes no sense."""
+    return whole(1, help=help)
+
+
 PROB = number(0, 1)
 LR = number(gt=0)
 
@@ -97,23 +117,23 @@ def _trainer_keys(stage: str) -> dict[str, Rule]:
         "output_dir": text(),
         "learning_rate": LR,
         "num_train_epochs": number(gt=0),
-        "max_steps": whole(1, also=(-1,)),           # -1: num_train_epochs decides
-        "per_device_train_batch_size": COUNT,
-        "gradient_accumulation_steps": COUNT,
-        "per_device_eval_batch_size": COUNT,
-        "max_length": COUNT,
+        "max_steps": whole(1, also=(-1,), help="-1: num_train_epochs decides"),
+        "per_device_train_batch_size": count(),
+        "gradient_accumulation_steps": count(),
+        "per_device_eval_batch_size": count(),
+        "max_length": count(),
         "lr_scheduler_type": Rule("scheduler"),
         "warmup_ratio": number(0, lt=1),
         "weight_decay": number(0),
-        "max_grad_norm": number(0),                  # 0: no clipping
-        "logging_steps": COUNT,
-        "eval_steps": COUNT,
+        "max_grad_norm": number(0, help="0: no clipping"),
+        "logging_steps": count(),
+        "eval_steps": count(),
         "activation_checkpointing": flag(),
     }.items()}
 
 
 def _lora_keys(stage: str) -> dict[str, Rule]:
-    return {f"{stage}.lora.enabled": flag(), f"{stage}.lora.r": COUNT, f"{stage}.lora.alpha": COUNT,
+    return {f"{stage}.lora.enabled": flag(), f"{stage}.lora.r": count(), f"{stage}.lora.alpha": count(),
             f"{stage}.lora.target_modules": Rule("modules")}
 
 
@@ -126,112 +146,116 @@ SCHEMA: dict[str, Rule] = {
     "debug": flag(),
     "dry_run": flag(),
     "export.output_dir": text(null=True),
-    "logging.report_to": Rule("enum_list", choices=("tensorboard", "wandb")),  # rlhf_cli.tracking
+    "logging.report_to": Rule("enum_list", choices=REPORT_TO, help="rlhf_cli.tracking's backends"),
     "logging.wandb.project": text(),
     "logging.wandb.entity": text(null=True),
     "logging.wandb.name": text(null=True),
     "logging.wandb.group": text(null=True),
-    "logging.wandb.mode": one_of("online", "offline", "disabled", None),
+    "logging.wandb.mode": one_of(*WANDB_MODES),
     "logging.wandb.dir": text(),
     # ---- conf/model
     "model.name_or_path": text(),
-    "model.hub": one_of("modelscope", "hf"),
+    "model.hub": one_of(*MODEL_HUBS),
     "model.revision": text(null=True),
     "model.cache_dir": text(null=True),
     "model.offline": flag(),
-    "model.dtype": one_of("auto", "float32", "bfloat16", "float16"),
+    "model.dtype": one_of(*DTYPES, help="storage of frozen weights (rlhf_cli.precision)"),
     "model.trust_remote_code": flag(),
-    "model.attn_implementation": text(null=True),    # a kernel the library refuses fails at load, named
+    "model.attn_implementation": text(null=True, help="a kernel the library refuses fails at load, named"),
     "model.pad_token": text(null=True),
     "model.enable_thinking": flag(),
     "model.tiny.dir": text(),
     "model.tiny.seed": whole(0),
-    "model.tiny.vocab_size": whole(260),             # 256 byte tokens + the 4 special tokens (rlhf_cli.tiny)
-    "model.tiny.hidden_size": COUNT,
-    "model.tiny.intermediate_size": COUNT,
-    "model.tiny.num_hidden_layers": COUNT,
-    "model.tiny.num_attention_heads": COUNT,
-    "model.tiny.num_key_value_heads": COUNT,
-    "model.tiny.head_dim": COUNT,
-    "model.tiny.embedding_rows": whole(1, null=True),  # null: the tokenizer's size; fewer: refused by tiny
+    "model.tiny.vocab_size": whole(260, help="256 byte tokens + the 4 special tokens (rlhf_cli.tiny)"),
+    "model.tiny.hidden_size": count(),
+    "model.tiny.intermediate_size": count(),
+    "model.tiny.num_hidden_layers": count(),
+    "model.tiny.num_attention_heads": count(),
+    "model.tiny.num_key_value_heads": count(),
+    "model.tiny.head_dim": count(),
+    "model.tiny.embedding_rows": whole(1, null=True, help="null: the tokenizer's size; fewer: refused by tiny"),
     # ---- conf/data
-    "data.train_path": text(null=True),              # null: data=file without a file; the data loader says so
-    "data.eval_path": text(null=True, empty=True),   # null / empty: split eval_ratio off the train file
+    "data.train_path": text(null=True, help="null: data=file without a file; the data loader says so"),
+    "data.eval_path": text(null=True, empty=True, help="null / empty: split eval_ratio off the train file"),
     "data.split": text(),
-    "data.format": one_of("auto", *FORMATS),
+    "data.format": one_of("auto", *DATA_FORMATS),
     "data.eval_ratio": number(0, lt=1),
     "data.split_seed": whole(0),
     "data.system_prompt": text(null=True, empty=True),
     "data.chat_template": flag(),
     "data.sft_on_rejected": flag(),
-    "data.max_prompt_length": COUNT,
+    "data.max_prompt_length": count(),
     "data.max_rows": whole(1, null=True),
-    "data.ground_truth": Rule("function", choices=("demo_polite",), nullable=True),  # rlhf_cli.ppo.rewards
+    "data.ground_truth": Rule("function", choices=GROUND_TRUTH, nullable=True, help="rlhf_cli.ppo.rewards"),
     # ---- conf/device
     "device.name": text(),
-    "device.accelerator": one_of("cpu", "cuda"),
+    "device.accelerator": one_of(*ACCELERATORS),
     "device.strategy": one_of(*STRATEGIES),
     "device.num_processes": whole(1, also=("auto",)),
-    "device.threads": whole(0),                      # 0: torch's default
-    "device.cpu_matmul": one_of("auto", "blas", "onednn"),  # rlhf_cli.ppo.cpu_linear
-    "device.mixed_precision": one_of("auto", "no", "bf16", "fp16"),
+    "device.threads": whole(0, help="0: torch's default"),
+    "device.fast_paths": one_of(*FAST_PATHS, help="the speed paths of rlhf_cli.accel: auto = on the CPU where "
+                                "their checks agree, stock code on GPUs; on; off = stock code everywhere"),
+    "device.cpu_matmul": one_of(*CPU_MATMUL, help="rlhf_cli.accel.cpu_linear"),
+    "device.mixed_precision": one_of(*MIXED_PRECISIONS, help="the compute dtype (rlhf_cli.precision)"),
     "device.zero_stage": whole(0, 3),
     "device.offload_optimizer": flag(),
     "device.offload_params": flag(),
     "device.fsdp.version": whole(1, 2),
     "device.fsdp.reshard_after_forward": flag(),
-    "device.fsdp.state_dict_type": one_of("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+    "device.fsdp.state_dict_type": one_of(*FSDP_STATE_DICT_TYPES),
     "device.fsdp.activation_checkpointing": flag(),
-    "device.num_machines": COUNT,
-    "device.machine_rank": whole(0),                 # < num_machines: checked by rlhf_cli.launch
+    "device.num_machines": count(),
+    "device.machine_rank": whole(0, help="< num_machines: checked by rlhf_cli.launch"),
     "device.main_process_ip": text(null=True),
     "device.main_process_port": whole(1, 65535, null=True),
-    "device.rdzv_backend": one_of("static", "c10d"),
-    "device.collective_timeout_s": COUNT,            # seconds a collective may wait before the run fails
+    "device.rdzv_backend": one_of(*RDZV_BACKENDS),
+    "device.collective_timeout_s": count(help="seconds a collective may wait before the run fails"),
     # ---- conf/stage/sft.yaml
     **_trainer_keys("sft"),
     **_lora_keys("sft"),
     "sft.lora.dropout": number(0, lt=1),
     # ---- conf/stage/reward.yaml
     **_trainer_keys("reward"),
-    "reward.init_from": text(),                      # a model directory, or "base"
+    "reward.init_from": text(help='a model directory, or "base"'),
     "reward.center_rewards_coefficient": number(0, null=True),
     # ---- conf/stage/ppo.yaml
     "ppo.output_dir": text(),
     "ppo.policy_dir": text(),
     "ppo.reward_dir": text(),
-    "ppo.value_init": text(),                        # reward | sft | base | a model directory
-    "ppo.reward": Rule("sources", choices=("model",)),  # summed; functions loaded by rlhf_cli.ppo.rewards
-    "ppo.reward_weights": Rule("number_list", nullable=True),  # one per source: checked by PPOConfig.check
-    "ppo.advantage": one_of("gae", "grpo", "rloo", "reinforce_pp"),
-    "ppo.samples_per_prompt": COUNT,                 # ≥ 2 for grpo / rloo, divides the batch: PPOConfig.check
-    "ppo.scale_rewards": flag(),
-    "ppo.loss_aggregation": one_of("token_mean", "sequence_mean"),
-    "ppo.kl_loss_estimator": one_of("k1", "k3", "abs", "mse"),
+    "ppo.value_init": text(help="reward | sft | base | a model directory"),
+    "ppo.reward": Rule("sources", choices=(REWARD_MODEL,), help="summed; functions loaded by rlhf_cli.ppo.rewards"),
+    "ppo.reward_weights": Rule("number_list", nullable=True, help="one per source (PPOConfig.check); null: 1 each"),
+    "ppo.advantage": one_of(*ADVANTAGES),
+    "ppo.samples_per_prompt": count(help="responses per prompt; ≥ 2 for grpo / rloo, divides the batch "
+                                    "(PPOConfig.check)"),
+    "ppo.scale_rewards": flag(help="grpo: divide by the group's std (false: Dr. GRPO)"),
+    "ppo.loss_aggregation": one_of(*LOSS_AGGREGATIONS),
+    "ppo.kl_loss_estimator": one_of(*KL_ESTIMATORS, help="grpo: the KL estimate in its loss"),
     "ppo.value_lora": flag(),
-    "ppo.sparse_value_embedding": flag(),
-    "ppo.total_episodes": COUNT,                     # ≥ one update's batch: checked by config.ppo_sizes
-    "ppo.per_device_train_batch_size": COUNT,
-    "ppo.gradient_accumulation_steps": COUNT,
-    "ppo.num_mini_batches": COUNT,
-    "ppo.rollout_forward_batch_size": COUNT,
-    "ppo.num_ppo_epochs": COUNT,
+    "ppo.sparse_value_embedding": flag(help="a fully trained value model's embedding: AdamW over the rows "
+                                       "tokens reach"),
+    "ppo.total_episodes": count(help="≥ one update's batch: checked by config.ppo_sizes"),
+    "ppo.per_device_train_batch_size": count(),
+    "ppo.gradient_accumulation_steps": count(),
+    "ppo.num_mini_batches": count(),
+    "ppo.rollout_forward_batch_size": count(),
+    "ppo.num_ppo_epochs": count(),
     "ppo.learning_rate": LR,
-    "ppo.value_learning_rate": number(gt=0, null=True),  # null: learning_rate
+    "ppo.value_learning_rate": number(gt=0, null=True, help="null: learning_rate"),
     "ppo.lr_scheduler_type": Rule("scheduler"),
     "ppo.warmup_ratio": number(0, lt=1),
     "ppo.weight_decay": number(0),
-    "ppo.max_grad_norm": number(0, null=True),       # null / 0: no clipping
-    "ppo.response_length": COUNT,
+    "ppo.max_grad_norm": number(0, null=True, help="null / 0: no clipping"),
+    "ppo.response_length": count(),
     "ppo.temperature": number(gt=0),
-    "ppo.top_k": whole(0),                           # 0: off
+    "ppo.top_k": whole(0, help="0: off"),
     "ppo.top_p": number(gt=0, hi=1),
-    "ppo.stop_token": one_of("eos", None),
+    "ppo.stop_token": one_of(*STOP_TOKENS, help="null: fixed-length responses"),
     "ppo.stop_token_ids": Rule("int_list", lo=0),
     "ppo.kl_coef": number(0),
-    "ppo.kl_estimator": one_of("k1", "k3", "abs", "mse"),
+    "ppo.kl_estimator": one_of(*KL_ESTIMATORS, help="where the KL is a reward: gae, rloo, reinforce_pp"),
     "ppo.adaptive_kl": flag(),
-    "ppo.adaptive_kl_target": number(gt=0),
+    "ppo.adaptive_kl_target": number(gt=0, help="nats per sequence, for the adaptive controller"),
     "ppo.kl_horizon": number(gt=0),
     "ppo.gamma": PROB,
     "ppo.lam": PROB,
@@ -239,26 +263,26 @@ SCHEMA: dict[str, Rule] = {
     "ppo.cliprange_value": number(gt=0),
     "ppo.vf_coef": number(0),
     "ppo.ent_coef": number(0),
-    "ppo.target_kl": number(gt=0, null=True),
+    "ppo.target_kl": number(gt=0, null=True, help="stop an update's epochs early when approxkl exceeds this"),
     "ppo.whiten_rewards": flag(),
     "ppo.normalize_scores": flag(),
     "ppo.missing_eos_penalty": number(null=True),
     "ppo.empty_response_penalty": number(null=True),
-    "ppo.first_update_kl_tolerance": number(gt=0, null=True),  # null: by compute precision
-    "ppo.recompute_logprobs": one_of("auto", True, False),
+    "ppo.first_update_kl_tolerance": number(gt=0, null=True, help="null: by compute precision"),
+    "ppo.recompute_logprobs": one_of(*RECOMPUTE_LOGPROBS),
     **_lora_keys("ppo"),
-    "ppo.logging_steps": COUNT,
-    "ppo.sample_every": whole(0),                    # 0: never
-    "ppo.save_every": whole(0),                      # 0: only at the end
+    "ppo.logging_steps": count(),
+    "ppo.sample_every": whole(0, help="0: never"),
+    "ppo.save_every": whole(0, help="0: only at the end"),
     "ppo.resume": flag(),
     "ppo.merge": flag(),
     # ---- conf/stage/eval.yaml
     "eval.output_dir": text(),
     "eval.policies": Rule("mapping"),
-    "eval.reward_dir": text(null=True),  # null: no reward-model scores (a run rewarded by functions alone)
-    "eval.num_prompts": COUNT,
-    "eval.batch_size": COUNT,
-    "eval.response_length": COUNT,
+    "eval.reward_dir": text(null=True, help="null: no reward-model scores (a run rewarded by functions alone)"),
+    "eval.num_prompts": count(),
+    "eval.batch_size": count(),
+    "eval.response_length": count(),
     "eval.temperature": number(gt=0),
     "eval.top_k": whole(0),
     "eval.top_p": number(gt=0, hi=1),
@@ -267,14 +291,14 @@ SCHEMA: dict[str, Rule] = {
     "chat.model_dir": text(),
     "chat.prompt": text(null=True, empty=True),
     "chat.system_prompt": text(null=True, empty=True),
-    "chat.max_new_tokens": COUNT,
+    "chat.max_new_tokens": count(),
     "chat.temperature": number(gt=0),
     "chat.top_k": whole(0),
     "chat.top_p": number(gt=0, hi=1),
     "chat.do_sample": flag(),
     # ---- conf/stage/doctor.yaml
-    "doctor.stages": Rule("enum_list", choices=tuple(PLANNERS)),
-    "doctor.memory_gib": number(gt=0, null=True),    # null: this machine's GPU or free RAM
+    "doctor.stages": Rule("enum_list", choices=TRAIN_STAGES, help="stages rlhf_cli.memory plans"),
+    "doctor.memory_gib": number(gt=0, null=True, help="null: this machine's GPU or free RAM"),
     "doctor.timeout_s": number(gt=0),
 }
 

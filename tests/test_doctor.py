@@ -230,6 +230,52 @@ def test_ppo_plan_terms():
     assert p.checkpoint == (2 * M.lora_params(QWEN, 32, "all-linear") + 1024) * 12
 
 
+@pytest.mark.parametrize("overrides,counted", [
+    ([], True),                                   # cpu_matmul=auto: counted, nothing timed (an upper bound)
+    (["device.cpu_matmul=onednn"], True),
+    (["device.cpu_matmul=blas"], False),
+    (["device.fast_paths=off"], False),           # stock code: no oneDNN
+    (["device.fast_paths=on"], True),
+    (["model.dtype=bfloat16"], False),            # 16-bit weights keep F.linear
+    (["device.mixed_precision=bf16"], False),     # autocast keeps F.linear
+    (["device=cuda"], False),
+])
+def test_onednn_caches_are_planned_by_rule(overrides, counted):
+    cfg = compose("ppo", ["recipe=qwen3-0.6b", "device=cpu", *overrides])
+    names = [i.name for i in M.plan_stage(cfg, "ppo", QWEN).items]
+    assert ("oneDNN primitive caches" in names) is counted
+    # layers under ONEDNN_MIN_DIM wide never switch
+    narrow = replace(QWEN, hidden_size=64)
+    assert "oneDNN primitive caches" not in [i.name for i in M.plan_stage(cfg, "ppo", narrow).items]
+
+
+def test_the_planner_imports_no_torch_and_times_nothing():
+    """Composing a config and planning every stage (with the advice) in a fresh process loads no torch, and
+    memory.py imports nothing of rlhf_cli.ppo or rlhf_cli.accel but the torch-free limits."""
+    import ast
+
+    code = ("import sys\n"
+            "from rlhf_cli import memory as M\n"
+            "from rlhf_cli.config import compose\n"
+            "for recipe, device in (('tiny', 'cpu'), ('qwen3-0.6b', 'cpu'), ('qwen3-0.6b', 'cuda')):\n"
+            "    cfg = compose('doctor', [f'recipe={recipe}', f'device={device}'])\n"
+            "    a, s = M.arch_for_model(cfg.model)[0], M.setup_from(cfg)\n"
+            "    for stage in M.PLANNERS:\n"
+            "        M.remedies(cfg, stage, a, s, M.plan_stage(cfg, stage, a, s).peak / 4)\n"
+            "heavy = sorted(m for m in sys.modules\n"
+            "               if m.split('.')[0] in ('torch', 'transformers', 'trl', 'peft'))\n"
+            "assert not heavy, heavy\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    tree = ast.parse(Path(M.__file__).read_text(encoding="utf-8"))
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    inside = {m for m in mods if m.startswith(("rlhf_cli.ppo", "rlhf_cli.accel"))}
+    assert inside <= {"rlhf_cli.accel.limits"}, inside
+    assert not {m for m in mods if m.split(".")[0] in ("torch", "time", "timeit")}
+
+
 def test_qwen3_ppo_fits_one_24gb_gpu_as_shipped():
     cfg = compose("ppo", ["recipe=qwen3-0.6b"])
     assert bool(cfg.ppo.value_lora)

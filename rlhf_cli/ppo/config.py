@@ -1,16 +1,16 @@
 """The PPO hyper-parameters as one typed object, built once from the `ppo` config group by `from_cfg`.
 
 Each field is a key of the `ppo` group: its type, range, allowed values and meaning are written once, in
-`rlhf_cli.schema.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that entry's kind,
-and tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less `NOT_FIELDS`. `check`
-tests the keys that only make sense together."""
+`rlhf_cli.schema.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that
+entry's kind, and tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less
+`NOT_FIELDS`, typed as the schema says. `check` tests the keys that only make sense together."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# the sizes a speed path switches at; rlhf_cli.accel.limits is their home, imported here until the PPO modules that
-# still read them from this module (stages/_sampling, the tests' monkeypatching) import them from there
+# sizes at which a speed path switches: rlhf_cli.accel.limits is their home; importable from here until the
+# modules that still read them from this one (stages/_sampling, tests/test_trainer.py) read them from there
 from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, SCORE_GROUPS_FROM_BYTES  # noqa: F401
 from rlhf_cli.choices import ADVANTAGES, REWARD_MODEL
 from rlhf_cli.errors import RlhfError
@@ -20,9 +20,10 @@ GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: sam
 # ppo.* keys that are not fields: batch sizes (rlhf_cli.config.ppo_sizes), model sources and LoRA
 # (rlhf_cli.models.build_ppo_models), and what the stage does with the run's directory
 NOT_FIELDS = frozenset({
-    "output_dir", "policy_dir", "reward_dir", "value_init", "value_lora", "lora.enabled", "lora.r", "lora.alpha",
-    "lora.target_modules", "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "num_mini_batches", "rollout_forward_batch_size", "resume", "merge",
+    "output_dir", "policy_dir", "reward_dir", "value_init", "value_lora",
+    "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",
+    "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+    "rollout_forward_batch_size", "resume", "merge",
 })
 # schema kind -> how a value is cast; list kinds become tuples of the item type
 _CAST = {"int": int, "float": float, "bool": bool, "text": str, "enum": str, "scheduler": str}

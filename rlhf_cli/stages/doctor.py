@@ -119,7 +119,7 @@ def tokenizer_dir(cfg) -> tuple[Path | None, str]:
     local = Path(name).expanduser()
     if local.is_dir():
         return (local, str(local)) if _has_tokenizer(local) else (None, f"{local} has no tokenizer files")
-    for d in M.cached_model_dirs(name, cfg.model.get("cache_dir")):
+    for d in M.cached_model_dirs(name, cfg.model.cache_dir):
         if _has_tokenizer(d):
             return d, str(d)
     return None, (f"no tokenizer of {name} on this machine (not in the local hub caches; the doctor "
@@ -149,10 +149,10 @@ def data_lengths(cfg) -> M.Lengths:
     from rlhf_cli import data as D
 
     d = cfg.data
-    if not d.get("train_path"):
+    if not d.train_path:
         return M.Lengths(source="no data: data.train_path is not set")
     for key in ("train_path", "eval_path"):
-        v = d.get(key)
+        v = d[key]
         if v and not Path(str(v)).expanduser().is_file():
             return M.Lengths(source=f"no data: data.{key}={v} is not a local file (the doctor downloads "
                                     "nothing)")
@@ -198,7 +198,7 @@ def data_lengths(cfg) -> M.Lengths:
 
 def _capacity(cfg, s: M.Setup, dev: dict) -> tuple[float | None, str]:
     """Memory one process may use, and where the figure comes from."""
-    gib = cfg.doctor.get("memory_gib")
+    gib = cfg.doctor.memory_gib
     if gib:
         return float(gib) * M.GiB, f"doctor.memory_gib={gib}"
     if s.accelerator == "cuda":
@@ -221,16 +221,14 @@ def _verdict(plan: M.StagePlan, cap: float | None) -> str:
            f"({100 * plan.peak / cap:.0f}%)"
 
 
-def report(cfg) -> str:
-    lines: list[str] = []
-    timeout = float(cfg.doctor.get("timeout_s") or 2)
+def _machine_lines(cfg) -> tuple[list[str], dict]:
+    """Versions, devices and hub reachability (the hubs are asked while torch is imported), and the devices."""
+    timeout = float(cfg.doctor.timeout_s)
     hub_thread_result: dict = {}
     hub_thread = threading.Thread(target=lambda: hub_thread_result.update(reachability(timeout)), daemon=True)
-    hub_thread.start()  # the hubs are asked while torch is imported
-
+    hub_thread.start()
     v = versions()
-    lines.append(f"rlhf doctor: recipe {cfg.recipe}, device {cfg.device.name}")
-    lines.append("versions")
+    lines = [f"rlhf doctor: recipe {cfg.recipe}, device {cfg.device.name}", "versions"]
     lines.append("  " + ", ".join(f"{k} {val}" for k, val in v.items() if val) +
                  "".join(f"; {k} not installed" for k, val in v.items() if not val))
     dev = devices()
@@ -251,7 +249,37 @@ def report(cfg) -> str:
     lines.append(f"hubs (one connection each, {timeout:g} s timeout)")
     for name in _hosts():
         lines.append(f"  {name}: {hub_thread_result.get(name, f'no answer within {timeout:g} s')}")
+    return lines, dev
 
+
+def _stage_lines(cfg, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -> list[str]:
+    """One stage's plan, whether it fits, and what to change when it does not."""
+    if stage not in M.PLANNERS:
+        raise RlhfError(f"doctor.stages: {stage} has no memory plan; choose from {', '.join(M.PLANNERS)}")
+    plan = M.plan_stage(cfg, stage, arch, s)
+    lines = M.format_plan(plan)
+    if stage == "ppo" and s.strategy in ("deepspeed", "fsdp"):
+        lines.append("    note: ppo runs under ddp only; this plan is its ddp plan")
+    lines.append(f"    -> {_verdict(plan, cap)}")
+    if plan.offloaded:
+        lines.append(f"    offloaded to CPU memory: {M.fmt_bytes(plan.offloaded)} per process")
+    need = cap if cap is not None else (M.GiB * COMMON_GPU_GIB[1] if s.accelerator == "cuda" else None)
+    if need is not None and plan.peak > need:
+        label = "to fit" + (" a 24 GiB GPU" if cap is None else "")
+        singles, combo = M.remedies(cfg, stage, arch, s, need)
+        if singles:
+            lines.append(f"    {label}, any of: " + "; ".join(f"{what} -> {M.fmt_bytes(p.peak)}"
+                                                            for what, p in singles[:4]))
+        elif combo:
+            lines.append(f"    {label}, together: {combo[0]} -> {M.fmt_bytes(combo[1].peak)}")
+        else:
+            lines.append(f"    {label}: smaller micro-batches, activation checkpointing and ZeRO-3 "
+                         "offload are not enough; shorten the sequences or use larger GPUs")
+    return lines
+
+
+def report(cfg) -> str:
+    lines, dev = _machine_lines(cfg)
     try:
         arch, source = M.arch_for_model(cfg.model)
     except ValueError as e:
@@ -273,28 +301,7 @@ def report(cfg) -> str:
     cap, cap_src = _capacity(cfg, s, dev)
     lines.append(f"  against: {cap_src}")
     for stage in cfg.doctor.stages:
-        stage = str(stage)
-        if stage not in M.PLANNERS:
-            raise RlhfError(f"doctor.stages: {stage} has no memory plan; choose from {', '.join(M.PLANNERS)}")
-        plan = M.plan_stage(cfg, stage, arch, s)
-        lines += M.format_plan(plan)
-        if stage == "ppo" and s.strategy in ("deepspeed", "fsdp"):
-            lines.append("    note: ppo runs under ddp only; this plan is its ddp plan")
-        lines.append(f"    -> {_verdict(plan, cap)}")
-        if plan.offloaded:
-            lines.append(f"    offloaded to CPU memory: {M.fmt_bytes(plan.offloaded)} per process")
-        need = cap if cap is not None else (M.GiB * COMMON_GPU_GIB[1] if s.accelerator == "cuda" else None)
-        if need is not None and plan.peak > need:
-            label = "to fit" + (" a 24 GiB GPU" if cap is None else "")
-            singles, combo = M.remedies(cfg, stage, arch, s, need)
-            if singles:
-                lines.append(f"    {label}, any of: " + "; ".join(f"{what} -> {M.fmt_bytes(p.peak)}"
-                                                                for what, p in singles[:4]))
-            elif combo:
-                lines.append(f"    {label}, together: {combo[0]} -> {M.fmt_bytes(combo[1].peak)}")
-            else:
-                lines.append(f"    {label}: smaller micro-batches, activation checkpointing and ZeRO-3 "
-                             "offload are not enough; shorten the sequences or use larger GPUs")
+        lines += _stage_lines(cfg, str(stage), arch, s, cap)
     return "\n".join(lines)
 
 

@@ -1,0 +1,42 @@
+"""Every closed list of config values, defined once: the schema checks against these, and the code that acts
+on a value imports its list from here. Imports nothing (the doctor and `--help` stay torch-free)."""
+
+# ---- commands and stages
+COMMANDS = ("sft", "reward", "ppo", "eval", "chat", "export", "doctor")   # `command`, set by the dispatcher
+TRAIN_STAGES = ("sft", "reward", "ppo")   # doctor.stages: the stages rlhf_cli.memory plans
+
+# ---- model and data
+MODEL_HUBS = ("modelscope", "hf")                            # model.hub
+DTYPES = ("auto", "float32", "bfloat16", "float16")          # model.dtype: storage of frozen weights
+DATA_FORMATS = ("seed", "prompt", "conversational", "messages")   # data.format, besides auto (rlhf_cli.data)
+GROUND_TRUTH = ("demo_polite",)                              # data.ground_truth's built-in names
+
+# ---- device
+ACCELERATORS = ("cpu", "cuda")                               # device.accelerator
+STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")          # device.strategy (rlhf_cli.launch)
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")            # device.mixed_precision: the compute dtype
+FAST_PATHS = ("auto", "on", "off")   # device.fast_paths: the speed paths of rlhf_cli.accel
+CPU_MATMUL = ("auto", "blas", "onednn")                      # device.cpu_matmul (rlhf_cli.accel.cpu_linear)
+FSDP_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+RDZV_BACKENDS = ("static", "c10d")
+
+# ---- training
+# learning-rate schedules, by transformers' SchedulerType names (tests/test_config.py checks both lists)
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt")  # need nothing but the warmup and total step counts
+# need a metric (reduce_lr_on_plateau, greedy) or arguments rlhf does not pass (min_lr, num_decay_steps), and
+# fail inside the trainer or the PPO loop
+SCHEDULERS_NOT_RUN = ("reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                      "warmup_stable_decay")
+
+# ---- ppo
+REWARD_MODEL = "model"                # the ppo.reward entry that means the reward model at ppo.reward_dir
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")         # ppo.advantage
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")          # ppo.loss_aggregation (rlhf_cli.ppo.core)
+KL_ESTIMATORS = ("k1", "k3", "abs", "mse")                   # ppo.kl_estimator, ppo.kl_loss_estimator
+STOP_TOKENS = ("eos", None)                                  # ppo.stop_token; None: fixed-length responses
+RECOMPUTE_LOGPROBS = ("auto", True, False)                   # ppo.recompute_logprobs
+
+# ---- logging
+REPORT_TO = ("tensorboard", "wandb")                         # logging.report_to (rlhf_cli.tracking)
+WANDB_MODES = ("online", "offline", "disabled", None)        # logging.wandb.mode; None: WANDB_MODE or wandb's
