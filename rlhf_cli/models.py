@@ -26,9 +26,6 @@ def setup_torch(cfg) -> None:
     threads = int(cfg.device.get("threads") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    from rlhf_cli.ppo import cpu_linear
-
-    cpu_linear.set_mode(str(cfg.device.get("cpu_matmul") or "auto"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     seed = int(cfg.seed)
     random.seed(seed)
@@ -75,11 +72,21 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     return getattr(torch, p.storage), None if p.autocast is None else getattr(torch, p.autocast)
 
 
+def cpu_flag(name: str) -> bool | None:
+    """One of torch.cpu's feature probes (`_is_amx_tile_supported`, `_is_avx512_bf16_supported`, ...); None
+    where this torch has no such probe or it cannot answer."""
+    probe = getattr(torch.cpu, name, None)
+    if not callable(probe):
+        return None
+    try:
+        return bool(probe())
+    except RuntimeError:
+        return None
+
+
 def cpu_bf16_native() -> bool | None:
     """Whether this CPU has bf16 matmul units torch uses (AVX512-BF16 or AMX tiles); None if torch cannot
     say."""
-    from rlhf_cli.ppo.rollout import cpu_flag
-
     flags = [cpu_flag(n) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return None if None in flags else any(flags)
 
@@ -338,88 +345,3 @@ def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: 
     if check:
         check_finite(model, "the policy", path)
     return model
-
-
-# ------------------------------------------------------------------------------------------------- PPO models
-def build_ppo_models(cfg, tok, device, storage: torch.dtype):
-    """`PPOModels` for `rlhf ppo`: the SFT policy with a fresh LoRA adapter (its adapter-disabled self is the
-    reference; full fine-tuning gets a frozen copy instead), the value model (gae only: from the reward model,
-    the SFT policy, the base or a directory; all weights trained, or LoRA + score head on a frozen trunk) and the
-    frozen reward model (only when `ppo.reward` names it: a run rewarded by functions alone needs no
-    ppo.reward_dir). Frozen weights are stored in `storage`; trainable ones in fp32."""
-    import copy
-
-    from rlhf_cli.config import require_dir
-    from rlhf_cli.io import read_json
-    from rlhf_cli.ppo.config import REWARD_MODEL
-    from rlhf_cli.ppo.rollout import TokenValueModel
-    from rlhf_cli.ppo.trainer import PPOModels
-
-    p = cfg.ppo
-    sources = [p.reward] if isinstance(p.reward, str) else list(p.reward)
-    use_rm, critic = REWARD_MODEL in sources, str(p.advantage) == "gae"
-    policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
-    reward_dir = None
-    if use_rm:
-        reward_dir = require_dir(p.reward_dir, "reward model (ppo.reward_dir)", "rlhf reward", marker="config.json")
-        if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
-            raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({policy_dir}); "
-                            "train the reward model from the same base (rlhf reward) or point ppo.reward_dir at one")
-    lora = bool(p.lora.enabled)
-    policy = load_policy(policy_dir, storage if lora else torch.float32, cfg.model, merge=True)
-    check_vocab(tok, policy, policy_dir)
-    ref = None
-    if lora:
-        from peft import get_peft_model
-
-        policy = get_peft_model(policy, lora_config(p.lora, "CAUSAL_LM"))
-    else:
-        ref = copy.deepcopy(policy).to(storage).eval().requires_grad_(False).to(device)
-    policy.generation_config.pad_token_id = tok.pad_token_id
-
-    stats = None
-    if use_rm:
-        stats_file = reward_dir / "score_stats.json"
-        stats = read_json(stats_file) if stats_file.exists() else None
-        if p.normalize_scores and stats is None:
-            log.warning("ppo: %s has no score_stats.json; scores are not normalised", reward_dir)
-    value, value_src = None, f"nowhere (ppo.advantage={p.advantage} has no critic)"
-    if critic:
-        init = str(p.value_init)
-        if init == "reward" and not use_rm:
-            log.info("ppo: ppo.reward has no reward model; the value model starts from the SFT policy")
-            init = "sft"
-        value_src = {"reward": reward_dir, "sft": policy_dir}.get(init)
-        if value_src is None:
-            value_src = base_model_dir(cfg) if init == "base" else \
-                require_dir(p.value_init, "value model init (ppo.value_init)", "rlhf reward")
-        value = load_seq_cls(value_src, tok, storage if p.value_lora else torch.float32, cfg.model)
-        if p.normalize_scores and stats is not None and init == "reward":
-            # The returns are built from normalised scores; a value head copied from the RM predicts raw scores,
-            # std times too large, and its first values would be noise. Rescale the head to the same units.
-            with torch.no_grad():
-                TokenValueModel(value).head.weight.div_(float(stats["std"]))
-        if p.value_lora:
-            from peft import get_peft_model
-
-            value = get_peft_model(value, lora_config(p.lora, "SEQ_CLS"))
-        fp32_trainables(value)
-        value = TokenValueModel(value).to(device).eval()
-    reward = None
-    if use_rm:
-        reward = load_seq_cls(reward_dir, tok, storage, cfg.model).eval().requires_grad_(False)
-        check_finite(reward, "the reward model", reward_dir)
-        reward = TokenValueModel(reward).to(device).eval()
-    fp32_trainables(policy)
-    from rlhf_cli.ppo.fused import fuse_lora_linears, fuse_rms_norms
-    from rlhf_cli.ppo import cpu_linear, tail
-
-    for m in (policy, ref, value, reward):
-        if m is not None:
-            fuse_rms_norms(m)
-            fuse_lora_linears(m)
-            tail.install(m)
-            cpu_linear.install(m)
-    # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
-    return PPOModels(policy=policy.to(device).eval(), ref=ref, value=value, reward=reward, score_stats=stats,
-                     value_source=str(value_src))
