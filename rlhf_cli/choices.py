@@ -9,7 +9,8 @@ TRAIN_STAGES = ("sft", "reward", "ppo")   # doctor.stages: the stages rlhf_cli.m
 MODEL_HUBS = ("modelscope", "hf")                            # model.hub
 DTYPES = ("auto", "float32", "bfloat16", "float16")          # model.dtype: storage of frozen weights
 DATA_FORMATS = ("seed", "prompt", "conversational", "messages")   # data.format, besides auto (rlhf_cli.data)
-GROUND_TRUTH = ("demo_polite",)                              # data.ground_truth's built-in names
+GROUND_TRUTH_SPECS = {"demo_polite": "rlhf_cli.demo:is_polite"}  # data.ground_truth's built-in names
+GROUND_TRUTH = tuple(GROUND_TRUTH_SPECS)
 
 # ---- device
 ACCELERATORS = ("cpu", "cuda")                               # device.accelerator

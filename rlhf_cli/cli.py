@@ -20,8 +20,8 @@ from rlhf_cli.config import (
     COMMANDS,
     CONF_DIR,
     PACKAGE_DIR,
-    _quote,
     job_dir_name,
+    quote,
     recipe_names,
     register_resolvers,
     translate_overrides,
@@ -119,7 +119,7 @@ def run_stage(cfg) -> dict | None:
             if output is not None:
                 OmegaConf.update(cfg, output[0], output[1], merge=False)
             schema.validate(cfg)  # every key's type and range, once, before launching or building anything
-            rc = _launch(cfg, [f"{output[0]}={_quote(output[1])}"] if output else [])
+            rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")
                 module.run(cfg)

@@ -241,7 +241,6 @@ def quote(value: str) -> str:
     return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value) + "'"
 
 
-_quote = quote  # the old private name, until rlhf_cli.cli and rlhf_cli.multirun import `quote`
 
 
 def _free_text(override: str, command: str) -> str:

@@ -11,7 +11,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from rlhf_cli.config import _quote, job_dir_name
+from rlhf_cli.config import job_dir_name, quote
 
 
 def current_job():
@@ -158,4 +158,4 @@ def dirname_excludes(overrides: list[str]) -> str | None:
     except Exception:  # noqa: BLE001 - reported by Hydra with its own message
         return None
     keys = sorted({o.key_or_group for o in parsed if not o.is_sweep_override() and not o.is_hydra_override()})
-    return "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(_quote(k) for k in keys) + "]"
+    return "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(quote(k) for k in keys) + "]"

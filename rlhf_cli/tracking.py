@@ -20,9 +20,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rlhf_cli.choices import REPORT_TO
 from rlhf_cli.errors import RlhfError
 
-BACKENDS = ("tensorboard", "wandb")
+BACKENDS = REPORT_TO  # logging.report_to
 
 
 def report_to(cfg) -> list[str]:

@@ -128,8 +128,8 @@ def test_value_model_starts_in_normalised_score_units(chain):
 
     from rlhf_cli.config import compose
     from rlhf_cli.models import load_tokenizer
-    from rlhf_cli.ppo.core import position_ids_from
     from rlhf_cli.ppo.build import build_ppo_models
+    from rlhf_cli.ppo.core import position_ids_from
 
     cfg = compose("ppo", ["recipe=tiny", f"run_dir={chain / 'runs/tiny'}", "device.threads=1"])
     tok = load_tokenizer(cfg.ppo.policy_dir, cfg.model)

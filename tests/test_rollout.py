@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.experience import Experience
 from rlhf_cli.ppo.core import position_ids_from
+from rlhf_cli.ppo.experience import Experience
 from rlhf_cli.ppo.forward import TokenValueModel, response_slice
 from rlhf_cli.ppo.sampling import truncate_at_stop
 from rlhf_cli.ppo.trainer import PromptStream

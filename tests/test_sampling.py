@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_cli.ppo import core
 from rlhf_cli.accel import sample_loop as ro
+from rlhf_cli.ppo import core, sampling
 from rlhf_cli.ppo import forward as fw
-from rlhf_cli.ppo import sampling
 
 PAD, EOS, V = 0, 1, 40
 
@@ -127,9 +126,9 @@ def sample_plain_and_merged(pm):
 
 @torch.no_grad()
 def test_lora_merged_sampling_matches_the_adapter_and_restores_weights(model):
-    from peft import LoraConfig, get_peft_model
-
     import copy
+
+    from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                          task_type="CAUSAL_LM")).eval()
@@ -198,9 +197,9 @@ def test_lora_on_a_tied_output_layer_leaves_the_embeddings_alone(tmp_path):
 
 @torch.no_grad()
 def test_large_adapted_weights_on_a_cpu_sample_unmerged(model, monkeypatch):
-    from peft import LoraConfig, get_peft_model
-
     import copy
+
+    from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                          task_type="CAUSAL_LM")).eval()

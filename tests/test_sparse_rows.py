@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from rlhf_cli.accel.sparse_rows import RowSparseEmbedding
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint
-from rlhf_cli.accel.sparse_rows import RowSparseEmbedding
 from rlhf_cli.ppo.trainer import adamw
 
 V, D, PAD = 50, 8, 0

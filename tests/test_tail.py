@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from rlhf_cli.ppo import forward as fw
-from rlhf_cli.ppo import core
 from rlhf_cli.accel import tail
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo import forward as fw
 
 V, PAD, EOS = 40, 0, 1
 
@@ -124,8 +124,8 @@ def test_values_and_scores_equal_the_whole_sequence_forward():
 def test_lora_policy_and_its_adapter_disabled_reference_through_the_span():
     from peft import LoraConfig, get_peft_model
 
-    from rlhf_cli.ppo.experience import reference_logits
     from rlhf_cli.accel.fused import fuse_lora_linears
+    from rlhf_cli.ppo.experience import reference_logits
 
     base = _lm("qwen3")
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],

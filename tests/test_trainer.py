@@ -13,10 +13,10 @@ import torch
 from rlhf_cli.config import compose, ppo_sizes
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import checkpoint, core
+from rlhf_cli.ppo.build import PPOModels
 from rlhf_cli.ppo.config import PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
 from rlhf_cli.ppo.forward import TokenValueModel
-from rlhf_cli.ppo.build import PPOModels
 from rlhf_cli.ppo.trainer import PPOTrainer, PromptStream
 
 PROMPTS = [f"<|im_start|>user\nHow do I cook rice, question {i}?<|im_end|>\n<|im_start|>assistant\n" for i in range(8)]

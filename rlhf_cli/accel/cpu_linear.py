@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from rlhf_cli.accel.limits import ONEDNN_CACHE_BYTES, ONEDNN_CACHE_CAPACITY, ONEDNN_MIN_DIM
-
 from rlhf_cli.choices import CPU_MATMUL as MODES  # device.cpu_matmul's values
 
 log = logging.getLogger("rlhf")

@@ -14,8 +14,17 @@ from rlhf_cli.accel import FastPaths
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import read_json
-from rlhf_cli.models import (base_model_dir, check_finite, check_vocab, fp32_trainables, load_policy, load_seq_cls,
-                             load_tokenizer, lora_config, same_vocab)
+from rlhf_cli.models import (
+    base_model_dir,
+    check_finite,
+    check_vocab,
+    fp32_trainables,
+    load_policy,
+    load_seq_cls,
+    load_tokenizer,
+    lora_config,
+    same_vocab,
+)
 from rlhf_cli.ppo.config import REWARD_MODEL
 from rlhf_cli.ppo.forward import TokenValueModel
 

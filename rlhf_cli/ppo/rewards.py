@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli.choices import GROUND_TRUTH_SPECS
 from rlhf_cli.errors import RlhfError
 
-BUILTIN_GROUND_TRUTH = {"demo_polite": "rlhf_cli.demo:is_polite"}
+BUILTIN_GROUND_TRUTH = GROUND_TRUTH_SPECS
 REWARD_INPUTS = ("prompt_ids", "response_ids", "truncated")  # besides prompts and responses, and the data's fields
 SPEC_HELP = "module:function or /path/file.py:function"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -23,8 +23,16 @@ from rlhf_cli import accel
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir, read_json, write_json
-from rlhf_cli.models import (check_finite, check_vocab, load_policy, load_seq_cls, load_tokenizer, resolve_precision,
-                             same_vocab, setup_torch)
+from rlhf_cli.models import (
+    check_finite,
+    check_vocab,
+    load_policy,
+    load_seq_cls,
+    load_tokenizer,
+    resolve_precision,
+    same_vocab,
+    setup_torch,
+)
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.experience import Sampling, make_experience
 from rlhf_cli.ppo.forward import TokenValueModel
