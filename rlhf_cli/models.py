@@ -26,6 +26,8 @@ def setup_torch(cfg) -> None:
     threads = int(cfg.device.get("threads") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
+    if str(cfg.device.accelerator) == "cuda":
+        setup_cuda()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     seed = int(cfg.seed)
     random.seed(seed)
@@ -44,15 +46,38 @@ def setup_torch(cfg) -> None:
     warnings.filterwarnings("ignore", message=".*save_embedding_layers.*", category=UserWarning)
 
 
+def setup_cuda() -> None:
+    """Before anything touches the GPU: each launched process on its own GPU (LOCAL_RANK; otherwise every rank
+    of a DDP sft/reward run would open a context on GPU 0 first), and an allocator that grows segments instead of
+    keeping a cached block per shape (PPO's shapes change with every micro-batch's length). A setting the user
+    made stays."""
+    if not any(os.environ.get(v) for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")):
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and torch.cuda.device_count() > int(local_rank):
+        torch.cuda.set_device(int(local_rank))
+
+
+def cuda_bf16_native(accelerator: str) -> bool | None:
+    """Whether the CUDA GPU computes bf16 natively (Ampere and later); None without a CUDA GPU. Pre-Ampere GPUs
+    report bf16 support through emulation, which runs far slower than fp16: `auto` must not pick it there."""
+    if accelerator != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # a torch without the argument
+        return bool(torch.cuda.is_bf16_supported())
+
+
 def resolve_dtype(name: str, accelerator: str) -> torch.dtype:
     """`model.dtype` as a torch dtype (the rule: rlhf_cli.precision.storage_dtype)."""
-    cuda_bf16 = torch.cuda.is_bf16_supported() if accelerator == "cuda" and torch.cuda.is_available() else None
+    cuda_bf16 = cuda_bf16_native(accelerator)
     return getattr(torch, storage_dtype(name, accelerator, cuda_bf16))
 
 
 def resolve_compute_dtype(name: str | None, accelerator: str) -> torch.dtype | None:
     """`device.mixed_precision` -> the autocast dtype, or None for fp32 compute (rlhf_cli.precision)."""
-    cuda_bf16 = torch.cuda.is_bf16_supported() if accelerator == "cuda" and torch.cuda.is_available() else None
+    cuda_bf16 = cuda_bf16_native(accelerator)
     compute = autocast_dtype(name, accelerator, cuda_bf16)
     return None if compute is None else getattr(torch, compute)
 
@@ -61,7 +86,7 @@ def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     """(storage dtype of frozen weights from `model.dtype`, compute dtype from `device.mixed_precision`, None
     for fp32), by the rule of rlhf_cli.precision, with this machine's CUDA and CPU."""
     acc = str(cfg.device.accelerator)
-    cuda_bf16 = torch.cuda.is_bf16_supported() if acc == "cuda" and torch.cuda.is_available() else None
+    cuda_bf16 = cuda_bf16_native(acc)
     p = precision(cfg.model.dtype, cfg.device.get("mixed_precision"), acc, cuda_bf16=cuda_bf16,
                   cpu_bf16=cpu_bf16_native() if acc == "cpu" else None)
     if p.slow_cpu_bf16:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -208,3 +209,32 @@ def test_unknown_attn_implementation_names_the_key(tmp_path):
     mcfg = OmegaConf.create({"trust_remote_code": False, "attn_implementation": "foo"})
     with pytest.raises(RlhfError, match=r"model\.attn_implementation=foo .*use null"):
         load_causal_lm(tmp_path, torch.float32, mcfg)
+
+
+def test_pre_ampere_bf16_emulation_is_not_native(monkeypatch):
+    """torch says bf16 is supported on pre-Ampere GPUs through emulation; `auto` must pick fp16 there."""
+    from rlhf_cli import models
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert models.cuda_bf16_native("cuda") is False and models.cuda_bf16_native("cpu") is None
+    assert models.resolve_dtype("auto", "cuda") == torch.float16
+    assert models.resolve_compute_dtype("auto", "cuda") == torch.float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere+
+    assert models.resolve_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_cuda_processes_get_their_own_gpu_and_a_growing_allocator(monkeypatch):
+    from rlhf_cli import models
+
+    chosen = []
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    models.setup_cuda()
+    assert chosen == [1] and os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")  # the user's own setting stays
+    models.setup_cuda()
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"

@@ -504,3 +504,15 @@ def test_critic_free_checkpoint_has_no_value_model_and_resumes(base, tok, tmp_pa
     b.resume(path)
     assert all(torch.equal(qa, qb) for qa, qb in zip(a.pol_params, b.pol_params))
     assert b.progress.update == 1 and b.stream.consumed == a.stream.consumed
+
+
+def test_fp16_compute_is_refused_and_collectives_take_tensors_on_the_device(base, tok, tmp_path):
+    """fp16 autocast without a gradient scaler would underflow silently: refused with the way out. And a tensor
+    off the process's device never enters a collective (NCCL would fail where gloo accepts it)."""
+    p = ppo_cfg()
+    with pytest.raises(RlhfError, match="fp16 mixed precision needs a gradient scaler.*mixed_precision=bf16"):
+        build(base, tok, p, compute=torch.float16, work=tmp_path)
+    t = build(base, tok, p, work=tmp_path)
+    t.device = torch.device("meta")  # as if the process ran on a GPU
+    with pytest.raises(RuntimeError, match="tensor on cpu would enter a collective"):
+        t.global_mean(torch.ones(3))

@@ -120,6 +120,9 @@ class PPOTrainer:
         from transformers import get_scheduler
 
         c.check(sizes.local_batch_size)
+        if compute_dtype == torch.float16:  # sft/reward get the Trainer's loss scaler; this loop has none
+            raise RlhfError("ppo: fp16 mixed precision needs a gradient scaler, which rlhf ppo does not run; use "
+                            "device.mixed_precision=bf16 (GPUs from Ampere on) or device.mixed_precision=no")
         self.c, self.sizes, self.tok, self.stream, self.sampling = c, sizes, tok, stream, sampling
         self.acc, self.work, self.compute_dtype = accelerator, work_dir, compute_dtype
         if ground_truth is not None and not isinstance(ground_truth, rewards.GroundTruth):
@@ -174,11 +177,19 @@ class PPOTrainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """The one way a tensor enters a collective: on this process's device (NCCL takes no CPU tensor; gloo
+        would, so the CPU tests catch a misplaced tensor here)."""
+        if t.device != self.device:
+            raise RuntimeError(f"a {tuple(t.shape)} tensor on {t.device} would enter a collective of processes on "
+                               f"{self.device}")
+        return self.acc.reduce(t, op) if self.world > 1 else t
+
     def allreduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return self.acc.reduce(t, "sum") if self.world > 1 else t
+        return self.reduce(t, "sum")
 
     def global_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return self.acc.reduce(t.float().mean(), "mean") if self.world > 1 else t.float().mean()
+        return self.reduce(t.float().mean(), "mean")
 
     def value_model(self):
         """The value model's sequence-classification model (what is saved), or None (critic-free)."""
@@ -419,7 +430,7 @@ class PPOTrainer:
             m["loss/kl_avg"] = gm(stats["kl_loss"])
         m.update({
             "val/ratio": gm(stats["ratio"]),
-            "val/num_eos_tokens": self.acc.reduce(n_eos, "sum") if self.world > 1 else n_eos,
+            "val/num_eos_tokens": self.allreduce_sum(n_eos),
             "response/length_mean": gm(mask.sum(-1)),
             "response/empty_rate": gm(exp.empty.float()),
             "response/clipped_ratio": gm((~exp.has_stop).float()),
@@ -429,7 +440,8 @@ class PPOTrainer:
         if c.samples_per_prompt > 1:
             m["reward/frac_zero_std"] = gm(core.group_zero_spread(exp.scores, c.samples_per_prompt).float())
         if self.ground_truth is not None:
-            m["objective/ground_truth_rate"] = gm(torch.tensor(self.ground_truth(exp.texts, exp.prompts, exp.rows)))
+            gt = self.ground_truth(exp.texts, exp.prompts, exp.rows)
+            m["objective/ground_truth_rate"] = gm(torch.tensor(gt, dtype=torch.float32, device=self.device))
         return {k: float(v) for k, v in m.items()}
 
     def log(self, exp: Experience, metrics: dict[str, float]) -> None:
