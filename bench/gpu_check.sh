@@ -15,7 +15,15 @@ if [ ! -x .venv/bin/rlhf ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e .   # a CUDA build of torch comes with the GPU machine's default wheel
 fi
-.venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name(0))"
+.venv/bin/python - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA GPU visible"
+from rlhf_cli.models import cuda_bf16_native, resolve_compute_dtype, resolve_dtype
+print(f"{torch.cuda.get_device_name(0)}: capability {torch.cuda.get_device_capability(0)}, torch {torch.__version__} "
+      f"(CUDA {torch.version.cuda}), {torch.cuda.device_count()} GPU(s)")
+print(f"native bf16 {cuda_bf16_native('cuda')}; auto precision: weights {resolve_dtype('auto', 'cuda')}, "
+      f"compute {resolve_compute_dtype('auto', 'cuda')}")
+PY
 # the speed paths of rlhf_cli/accel against the stock code on this GPU (device.fast_paths=on vs off): the same
 # numbers are what a path needs before `auto` may turn it on for CUDA (rlhf_cli.accel.PROVEN_ON)
 .venv/bin/python -m pytest -q -m gpu tests/test_fast_paths.py

@@ -39,13 +39,25 @@ log = logging.getLogger("rlhf")
 
 
 def register_resolvers() -> None:
-    """`${pkg:demo/data/x.jsonl}` -> an absolute path inside the installed package;
+    """`${pkg:demo/data/x.jsonl}` -> an absolute path inside the installed package; `${demo_only:...}` (below);
     `${job_dir_name:N,OVERRIDES}` -> the directory name of multirun job N (conf/config.yaml,
     hydra.sweep.subdir)."""
     if not OmegaConf.has_resolver("pkg"):
         OmegaConf.register_new_resolver("pkg", lambda rel: str(PACKAGE_DIR / rel))
     if not OmegaConf.has_resolver("job_dir_name"):
         OmegaConf.register_new_resolver("job_dir_name", job_dir_name)
+    if not OmegaConf.has_resolver("demo_only"):
+        OmegaConf.register_new_resolver("demo_only", demo_only)
+
+
+DEMO_TRAIN = "demo/data/polite_train.jsonl"
+
+
+def demo_only(train_path, value):
+    """`${demo_only:${.train_path},VALUE}`: VALUE while the training file is the shipped demo's, else None. The demo
+    data config gives its held-out file and its ground truth this way, so that a user's `data.train_path` alone is
+    evaluated on its own split, with no demo checker, unless data.eval_path / data.ground_truth are set too."""
+    return value if str(train_path) == str(PACKAGE_DIR / DEMO_TRAIN) else None
 
 
 def job_dir_name(num, overrides: str = "", limit: int = 96) -> str:

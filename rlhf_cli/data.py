@@ -212,6 +212,7 @@ def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | No
                 if fmt == "messages" else [k for k in _REQUIRED[fmt] if k not in row]
             raise RlhfError(f"{source}: {where} is missing required key(s) {', '.join(missing) or _REQUIRED[fmt]} "
                             f"for the {fmt} format (found {', '.join(sorted(row)) or 'none'})")
+        _check_field_types(row, source, where)
         try:
             ex = to_example(row, fmt)
         except (KeyError, TypeError, ValueError) as e:
@@ -221,10 +222,34 @@ def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | No
             raise RlhfError(f"{source}: {where}: the answers must be strings (chosen is {type(ex.chosen).__name__}"
                             f"{'' if fmt == 'messages' else ', rejected is ' + type(ex.rejected).__name__}; "
                             f"{fmt} format)")
+        if _is_empty(ex):
+            continue
         if system_prompt and not any(m["role"] == "system" for m in ex.prompt):
             ex.prompt = [{"role": "system", "content": system_prompt}, *ex.prompt]
         out.append(ex)
+    if len(out) < len(rows):
+        log.warning("%s: dropped %d of %d rows with an empty prompt or answer", source, len(rows) - len(out), len(rows))
+    if not out:
+        raise RlhfError(f"{source}: every row has an empty prompt or answer")
     return out
+
+
+_TEXT_KEYS = ("question", "prompt", "chosen", "rejected", "completion", "messages")
+
+
+def _check_field_types(row: dict, source: str, where: str) -> None:
+    """A text field that is null or a number is an error naming the key (not a TypeError from deep inside)."""
+    for k in _TEXT_KEYS:
+        if k in row and not isinstance(row[k], (str, list, dict)):
+            what = "null" if row[k] is None else f"a {type(row[k]).__name__} ({row[k]!r})"
+            raise RlhfError(f"{source}: {where}: '{k}' is {what}; give a string or a list of chat messages")
+
+
+def _is_empty(ex: Example) -> bool:
+    """No prompt text, or an empty chosen (or rejected) answer: nothing to learn from."""
+    prompt = "".join(str(m.get("content") or "") for m in ex.prompt if isinstance(m, dict))
+    answers = [ex.chosen] + ([ex.rejected] if isinstance(ex.rejected, str) else [])
+    return not prompt.strip() or any(not a.strip() for a in answers)
 
 
 # --------------------------------------------------------------------------------------------------- loading

@@ -578,3 +578,17 @@ def test_logging_keys_default_and_checks():
         compose("sft", ["logging.wandb.mode=sometimes"])
     with pytest.raises(RlhfError, match="logging.wandb.projekt is not a config key; did you mean"):
         compose("sft", ["+logging.wandb.projekt=x"])
+
+
+def test_own_train_file_is_evaluated_on_its_own_split_without_the_demo_checker(tmp_path):
+    """`data.train_path=mine.jsonl` on the default (demo) data config: the demo's held-out file and ground truth
+    go with the demo's training file, so the user's rows are evaluated on their own split, with no checker."""
+    from rlhf_cli.config import compose
+
+    demo = compose("reward", [])
+    assert demo.data.eval_path.endswith("polite_test.jsonl") and demo.data.ground_truth == "demo_polite"
+    mine = compose("reward", [f"data.train_path={tmp_path / 'mine.jsonl'}"])
+    assert mine.data.eval_path is None and mine.data.ground_truth is None
+    both = compose("ppo", [f"data.train_path={tmp_path / 'mine.jsonl'}", "data.ground_truth=demo_polite",
+                           f"data.eval_path={tmp_path / 'held.jsonl'}"])
+    assert both.data.eval_path == str(tmp_path / "held.jsonl") and both.data.ground_truth == "demo_polite"

@@ -274,7 +274,26 @@ def test_non_string_answers_are_rejected(tmp_path):
     with pytest.raises(RlhfError) as e:
         load(path)
     msg = one_line(e)
-    assert msg.startswith(f"{path}: line 2:") and "rejected is NoneType" in msg
+    assert msg == f"{path}: line 2: 'rejected' is null; give a string or a list of chat messages"
+    path = write_jsonl(tmp_path / "n.jsonl", [{"question": 7, "chosen": "a", "rejected": "b"}])
+    with pytest.raises(RlhfError, match=r"n.jsonl: line 1: 'question' is a int \(7\); give a string"):
+        load(path)
+    nested = write_jsonl(tmp_path / "m.jsonl", [{"question": "q", "chosen": ["a"], "rejected": "b"}])
+    with pytest.raises(RlhfError, match="the answers must be strings"):  # a list where a string belongs
+        load(nested)
+
+
+def test_rows_with_empty_texts_are_counted_and_dropped(tmp_path, caplog):
+    rows = [{"question": "q", "chosen": "a", "rejected": "b"}, {"question": " ", "chosen": "a", "rejected": "b"},
+            {"question": "q", "chosen": "", "rejected": "b"}, {"question": "q2", "chosen": "a", "rejected": "c"}]
+    path = write_jsonl(tmp_path / "e.jsonl", rows)
+    with caplog.at_level("WARNING", logger="rlhf"):
+        exs = to_examples(read_rows(str(path)), "auto", str(path))
+    assert [e.prompt[-1]["content"] for e in exs] == ["q", "q2"]
+    assert f"{path}: dropped 2 of 4 rows with an empty prompt or answer" in caplog.text
+    empty = write_jsonl(tmp_path / "all.jsonl", rows[1:3])
+    with pytest.raises(RlhfError, match="every row has an empty prompt or answer"):
+        to_examples(read_rows(str(empty)), "auto", str(empty))
 
 
 # ------------------------------------------------------------------------------ encodings and file lines
@@ -327,7 +346,7 @@ def test_row_errors_after_blank_lines_name_the_file_line(tmp_path):
     path.write_text(f"\n\n{good}\n\n" + json.dumps({"question": "q", "chosen": "a", "rejected": None}) + "\n")
     with pytest.raises(RlhfError) as e:
         load(path)
-    assert one_line(e).startswith(f"{path}: line 5: the answers must be strings")
+    assert one_line(e).startswith(f"{path}: line 5: 'rejected' is null")
     path.write_text("\n\n" + json.dumps({"question": "q", "answer": "a"}) + "\n")
     with pytest.raises(RlhfError) as e:
         load(path)
