@@ -262,17 +262,50 @@ def _from_pretrained(auto_cls, path, model_cfg, **kw):
                         "truncated or corrupt: copy or download them again, or re-run the stage that wrote them") from e
 
 
+KINDS = {"causal_lm": "causal language model (a policy)", "seq_cls": "sequence classifier (a reward or value model)"}
+
+
+def model_kind(path) -> str | None:
+    """"causal_lm" or "seq_cls" by the architectures in a local model directory's config.json; None where it does
+    not say (no config.json, a hub id not yet downloaded, another head)."""
+    config = Path(str(path)) / "config.json"
+    if not config.is_file():
+        return None
+    from rlhf_cli.io import read_json
+
+    try:
+        archs = [str(a) for a in (read_json(config).get("architectures") or [])]
+    except (RlhfError, AttributeError):
+        return None
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal_lm"
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return "seq_cls"
+    return None
+
+
+def expect_kind(path, want: str, fix: str) -> None:
+    """A model directory of the other kind is an error naming it, what it holds, and what makes the right one."""
+    kind = model_kind(path)
+    if kind is not None and kind != want:
+        raise RlhfError(f"{path} holds a {KINDS[kind]}, not a {KINDS[want]}; {fix}")
+
+
 def load_causal_lm(path, dtype: torch.dtype, model_cfg=None):
     from transformers import AutoModelForCausalLM
 
+    expect_kind(path, "causal_lm", "point at a base model or at the output of rlhf sft / rlhf ppo")
     return _from_pretrained(AutoModelForCausalLM, path, model_cfg, dtype=dtype)
 
 
-def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None):
+def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None, trained_head: bool = False):
     """`AutoModelForSequenceClassification(num_labels=1)`: a reward or value model; pad id set so batched
-    scores are read at the last non-pad token."""
+    scores are read at the last non-pad token. `trained_head`: the model must already be a sequence classifier
+    (a reward model scores with its head; a causal LM would get a random one)."""
     from transformers import AutoModelForSequenceClassification
 
+    if trained_head:
+        expect_kind(path, "seq_cls", "a reward model comes from rlhf reward")
     model = _from_pretrained(AutoModelForSequenceClassification, path, model_cfg, num_labels=1, dtype=dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model

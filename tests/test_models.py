@@ -238,3 +238,22 @@ def test_cuda_processes_get_their_own_gpu_and_a_growing_allocator(monkeypatch):
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")  # the user's own setting stays
     models.setup_cuda()
     assert os.environ["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
+
+
+def test_the_wrong_kind_of_model_is_refused(base, tok, tmp_path):
+    """A reward model where a policy belongs (ppo.policy_dir, chat, export) and a causal LM where a trained reward
+    head belongs (ppo.reward_dir, eval.reward_dir): one line naming the directory, what it holds, what makes one.
+    A value model may start from a causal LM (value_init=sft / base): its head is new by design."""
+    from rlhf_cli import models
+
+    rm_dir = tmp_path / "rm"
+    models.load_seq_cls(base, tok, torch.float32).save_pretrained(str(rm_dir))
+    assert models.model_kind(rm_dir) == "seq_cls" and models.model_kind(base) == "causal_lm"
+    assert models.model_kind(tmp_path) is None  # nothing there to say
+    with pytest.raises(RlhfError, match=r"rm holds a sequence classifier \(a reward or value model\), not a causal "
+                                        r"language model \(a policy\); point at a base model or at the output of rlhf sft"):
+        models.load_policy(rm_dir, torch.float32)
+    with pytest.raises(RlhfError, match=r"holds a causal language model \(a policy\), not a sequence classifier.*"
+                                        r"a reward model comes from rlhf reward"):
+        models.load_seq_cls(base, tok, torch.float32, trained_head=True)
+    assert models.load_seq_cls(base, tok, torch.float32).score.out_features == 1  # a value model from a policy

@@ -73,7 +73,7 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
         value, value_src = _value(cfg, tok, device, storage, policy_dir, reward_dir, stats)
     reward = None
     if use_rm:
-        reward = load_seq_cls(reward_dir, tok, storage, cfg.model).eval().requires_grad_(False)
+        reward = load_seq_cls(reward_dir, tok, storage, cfg.model, trained_head=True).eval().requires_grad_(False)
         check_finite(reward, "the reward model", reward_dir)
         reward = TokenValueModel(reward).to(device).eval()
     fp32_trainables(policy)
@@ -118,7 +118,8 @@ def _value(cfg, tok, device, storage, policy_dir, reward_dir, stats):
     if src is None:
         src = base_model_dir(cfg) if init == "base" else \
             require_dir(p.value_init, "value model init (ppo.value_init)", "rlhf reward")
-    value = load_seq_cls(src, tok, storage if p.value_lora else torch.float32, cfg.model)
+    value = load_seq_cls(src, tok, storage if p.value_lora else torch.float32, cfg.model,
+                         trained_head=init == "reward")
     if p.normalize_scores and stats is not None and init == "reward":
         # The returns are built from normalised scores; a value head copied from the RM predicts raw scores,
         # std times too large, and its first values would be noise. Rescale the head to the same units.

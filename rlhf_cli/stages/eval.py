@@ -180,7 +180,7 @@ def run(cfg) -> None:
 
     rm = None
     if reward_dir is not None:
-        rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model)
+        rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model, trained_head=True)
         check_finite(rm_model, "the reward model", reward_dir)
         rm = TokenValueModel(rm_model).to(device).eval()
     ref = load_policy(ref_dir, storage, cfg.model, merge=True).to(device).eval()
