@@ -132,3 +132,31 @@ def test_failed_run_keeps_earlier_output(run_cli, tmp_path, tiny_base):
     assert (reward_dir / "marker.txt").read_text() == "good output"
     assert sorted(p.name for p in reward_dir.iterdir()) == [".rlhf-output", "marker.txt"]
     assert not list(reward_dir.parent.glob(".reward.tmp-*"))
+
+
+# ------------------------------------------------------------------------ before and around Hydra's machinery
+@pytest.mark.parametrize("args, needles", [
+    (["+foo=bar"], ["foo is not a config key; `rlhf sft --cfg job` prints the keys"]),
+    (["sed=1"], ["sed is not a config key; did you mean seed?"]),
+    (["seed=99999999999999999999"], ["seed=99999999999999999999 is out of range", "[0, 4294967295]"]),
+    (["run_dir=${oc.env:RLHF_TEST_UNSET_VARIABLE}"],
+     ["environment variable RLHF_TEST_UNSET_VARIABLE is not set (used by hydra.run.dir)"]),
+])
+def test_top_level_typos_ranges_and_interpolations(run_cli, args, needles):
+    assert_one_line_error(run_cli("sft", *args), "sft", *needles)
+
+
+def test_a_run_dir_that_is_a_file(run_cli, tmp_path):
+    (tmp_path / "taken").write_text("mine\n")
+    assert_one_line_error(run_cli("sft", f"run_dir={tmp_path / 'taken'}"), "sft",
+                          f"cannot write the run's directory {tmp_path / 'taken'}", "choose a run_dir")
+    assert (tmp_path / "taken").read_text() == "mine\n"
+
+
+def test_a_response_longer_than_the_policy_s_positions(run_cli, tiny_base, tmp_path):
+    limit = json.loads((tiny_base / "config.json").read_text())["max_position_embeddings"]
+    line = assert_one_line_error(run_cli("ppo", f"ppo.policy_dir={tiny_base}", f"run_dir={tmp_path}",
+                                         f"ppo.response_length={limit * 10}", "ppo.reward=[rlhf_cli.demo:polite_reward]"),
+                                 "ppo", f"ppo.response_length={limit * 10} + data.max_prompt_length=",
+                                 f"more than the {limit} the policy has", "lower ppo.response_length")
+    assert not (tmp_path / "ppo").exists(), line

@@ -55,6 +55,7 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
     sources = [p.reward] if isinstance(p.reward, str) else list(p.reward)
     use_rm = REWARD_MODEL in sources
     policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
+    check_context(cfg, policy_dir)
     reward_dir = None
     if use_rm:
         reward_dir = require_dir(p.reward_dir, "reward model (ppo.reward_dir)", "rlhf reward", marker="config.json")
@@ -87,6 +88,18 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
     # Dropout off everywhere: the old log-probs come from sampling in eval mode, and the first ratio must be 1.
     models.policy = policy.to(device).eval()
     return models
+
+
+def check_context(cfg, policy_dir) -> None:
+    """Prompt + response must fit the model's positions: checked before any weight loads, so that an absurd
+    `ppo.response_length` is a line, not an allocator failure."""
+    config = policy_dir / "config.json"
+    limit = read_json(config).get("max_position_embeddings") if config.is_file() else None
+    need = int(cfg.ppo.response_length) + int(cfg.data.max_prompt_length)
+    if limit and need > int(limit):
+        raise RlhfError(f"ppo.response_length={cfg.ppo.response_length} + data.max_prompt_length="
+                        f"{cfg.data.max_prompt_length} = {need} positions, more than the {limit} the policy has "
+                        f"({config}); lower ppo.response_length")
 
 
 def _policy(cfg, tok, policy_dir, device, storage):
