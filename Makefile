@@ -53,7 +53,7 @@ chain-grpo: install ## the tiny chain with GRPO (4 responses per prompt, no valu
 chain-rule: install ## the tiny chain rewarded by the politeness rule (no reward model in ppo)
 	$(MAKE) chain RECIPE=tiny-rule ARGS='$(ARGS)'
 
-chat: install ## chat with the SFT model (ARGS="chat.model_dir=runs/tiny/ppo" for PPO)
+chat: install ## chat with the newest trained policy (PPO, else SFT; ARGS="chat.model_dir=..." for another)
 	$(RLHF) chat recipe=$(RECIPE) $(ARGS)
 
 test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs)

@@ -372,9 +372,11 @@ def ppo_sizes(p: DictConfig, world_size: int = 1) -> PPOSizes:
                     rollout_forward_batch_size=min(fwd, local_batch), num_updates=num_updates)
 
 
-def require_dir(path: str | Path, what: str, made_by: str, marker: str | None = None) -> Path:
-    """A stage input that an earlier command writes; the error names that command."""
+def require_dir(path: str | Path, what: str, made_by: str, marker: str | None = None, or_else: str = "") -> Path:
+    """A stage input that an earlier command writes; the error names that command (and `or_else`, another way
+    out)."""
     p = Path(path)
     if not p.is_dir() or (marker is not None and not (p / marker).exists()):
-        raise RlhfError(f"{what} not found at {p}: run `{made_by}` first, or point the config at one")
+        raise RlhfError(f"{what} not found at {p}: run `{made_by}` first, or point the config at one"
+                        + (f", or {or_else}" if or_else else ""))
     return p

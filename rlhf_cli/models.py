@@ -21,8 +21,10 @@ def setup_torch(cfg) -> None:
     """Thread count and seeds, first thing in every stage (two threads per process on a busy 2-core box can
     run 20x slower than one, so the count is explicit)."""
     if str(cfg.device.accelerator) == "cuda" and not torch.cuda.is_available():
-        raise RlhfError(f"device={cfg.device.get('name', 'cuda')} needs a CUDA GPU, but torch sees none "
-                        f"(torch {torch.__version__}); use device=cpu, or install a CUDA build of torch")
+        name = str(cfg.device.get("name", "cuda"))
+        cpu = "cpu-ddp" if name == "ddp" else "cpu"
+        raise RlhfError(f"device={name} needs a CUDA GPU, but torch sees none (torch {torch.__version__}); use "
+                        f"device={cpu}, or install a CUDA build of torch")
     threads = int(cfg.device.get("threads") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -372,21 +374,30 @@ def fp32_trainables(model) -> None:
 
 
 def _adapter_base(path: Path, fallback) -> Path:
-    """The base of an adapter directory: the one it records if it exists, else `fallback`."""
+    """The base of an adapter directory: the one it records (`base_model_name_or_path`), else `fallback`.
+
+    rlhf records a base inside the same run directory relative to the adapter ("../sft": the run can be copied
+    or moved; `rlhf_cli.ppo.checkpoint.save_model`), and reads a relative path against the adapter's directory
+    first, then against the working directory (where plain peft reads it: `AutoPeftModelForCausalLM` follows
+    such an adapter only when started in the adapter's directory)."""
     from rlhf_cli.io import read_json
 
     recorded = read_json(path / "adapter_config.json").get("base_model_name_or_path")
-    for cand in (recorded, fallback):
-        if cand and Path(cand).is_dir():
-            return Path(cand)
+    cands = [recorded, fallback]
+    if recorded and not Path(recorded).expanduser().is_absolute():
+        cands.insert(0, Path(path).resolve() / recorded)
+    for cand in cands:
+        if cand and Path(cand).expanduser().is_dir():
+            return Path(cand).expanduser().resolve()
     raise RlhfError(f"the base model of the adapter at {path} is not found (recorded: {recorded}, configured: "
                     f"{fallback}); set ppo.policy_dir to the SFT model it was trained on")
 
 
 def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: bool = False, check: bool = True):
     """The one way to load a policy: a plain model directory, or a LoRA adapter on top of its base (the base
-    it records, else `base_dir`). An SFT adapter used as a base is merged first, so that "adapter disabled"
-    is exactly the SFT policy. merge=True returns a plain model (tied output layers handled)."""
+    it records, a relative one read against the adapter's directory, else `base_dir`: `_adapter_base`). An SFT
+    adapter used as a base is merged first, so that "adapter disabled" is exactly the SFT policy. merge=True
+    returns a plain model (tied output layers handled)."""
     path = Path(path)
     if not (path / "adapter_config.json").exists():
         if not (path / "config.json").exists():

@@ -47,7 +47,7 @@ def test_every_recipe_composes_and_resolves_for_every_command(recipe, command):
     assert resolved["reward"]["init_from"] == resolved["sft"]["output_dir"]
     assert resolved["ppo"]["policy_dir"] == resolved["sft"]["output_dir"]
     assert resolved["ppo"]["reward_dir"] == resolved["reward"]["output_dir"]
-    assert resolved["chat"]["model_dir"] == resolved["sft"]["output_dir"]
+    assert resolved["chat"]["model_dir"] is None  # the newest trained policy (rlhf_cli.stages.chat.newest_policy)
     # every recipe's PPO batch sizes are consistent
     ppo_sizes(cfg.ppo)
 

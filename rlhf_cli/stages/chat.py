@@ -1,22 +1,51 @@
-"""`rlhf chat`: answer prompts from stdin in a loop, or `prompt="..."` once, from an SFT directory or a PPO
-output (its LoRA adapter is merged on load)."""
+"""`rlhf chat`: a conversation from stdin (each answer sees the turns before it; `/reset` starts over), or
+`prompt="..."` once, with the newest trained policy (the PPO output if there is one, else the SFT model) or
+`chat.model_dir` (a PPO output's LoRA adapter is merged on load)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
+from rlhf_cli.errors import RlhfError
 from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
+
+RESET = "/reset"
+
+
+def newest_policy(cfg) -> Path:
+    """`chat.model_dir`, or when unset the PPO output if it exists (it is trained from the SFT model), else the
+    SFT output."""
+    if cfg.chat.model_dir is not None:
+        return require_dir(cfg.chat.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
+    for d in (cfg.ppo.output_dir, cfg.sft.output_dir):
+        if Path(d).is_dir():
+            return Path(d)
+    return require_dir(cfg.sft.output_dir, "model to chat with (the SFT output; chat.model_dir)", "rlhf sft")
 
 
 def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -> str:
+    """The reply to the last turn of `messages`. Turns are dropped from the front (system prompt kept) while the
+    conversation and the reply would not fit the model's positions; a last message alone too long is an error."""
     from transformers import GenerationConfig
 
-    text = prompt_text(tok, messages, enable_thinking)
-    enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) - int(c.max_new_tokens)
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    turns = messages[len(system):]
+    while True:
+        text = prompt_text(tok, [*system, *turns], enable_thinking)
+        enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+        n = enc["input_ids"].shape[1]
+        if limit <= 0 or n <= limit:
+            break
+        if len(turns) <= 1:
+            raise RlhfError(f"the message is {n} tokens with the chat template; this model reads at most {limit} "
+                            f"before a {c.max_new_tokens}-token answer (chat.max_new_tokens): shorten it")
+        turns = turns[2:] if len(turns) > 2 else turns[-1:]  # the oldest question and its answer
     gen = GenerationConfig(max_new_tokens=int(c.max_new_tokens), do_sample=bool(c.do_sample),
                            temperature=float(c.temperature), top_k=int(c.top_k), top_p=float(c.top_p),
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -28,7 +57,7 @@ def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -
 def run(cfg) -> None:
     setup_torch(cfg)
     c = cfg.chat
-    path = require_dir(c.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
+    path = newest_policy(cfg)
     device = "cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu"
     model = load_policy(path, resolve_precision(cfg)[0], cfg.model, base_dir=cfg.ppo.policy_dir, merge=True)
     model, tok = model.to(device).eval(), load_tokenizer(path, cfg.model)
@@ -39,13 +68,25 @@ def run(cfg) -> None:
         return
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"chatting with {path} (empty line or Ctrl-D to quit)")
+        print(f"chatting with {path} (empty line or Ctrl-D to quit, {RESET} to start a new conversation)")
+    history: list[dict] = []
     while True:
         if interactive:
             print("> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line or (interactive and not line.strip()):
             break
-        if line.strip():
-            print(answer(model, tok, [*system, {"role": "user", "content": line.strip()}], c, thinking), flush=True)
-
+        text = line.strip()
+        if text == RESET:
+            history = []
+        elif text:
+            turn = {"role": "user", "content": text}
+            try:
+                reply = answer(model, tok, [*system, *history, turn], c, thinking)
+            except RlhfError as e:
+                if not interactive:
+                    raise
+                print(f"error: {e}", flush=True)
+                continue
+            history += [turn, {"role": "assistant", "content": reply}]
+            print(reply, flush=True)

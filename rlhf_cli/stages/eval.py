@@ -22,7 +22,7 @@ import torch
 from rlhf_cli import accel
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.io import atomic_dir, read_json, write_json
+from rlhf_cli.io import atomic_dir, check_output_dir, read_json, write_json
 from rlhf_cli.models import (
     check_finite,
     check_vocab,
@@ -98,10 +98,11 @@ def win_rate(a: list[float], b: list[float]) -> float:
     return _mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
 
 
-def plot_curves(tb_dir: Path, png: Path) -> bool:
+def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training") -> bool:
     """PPO training curves against episodes, from TensorBoard scalars."""
     if not tb_dir.is_dir():
         return False
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file notes are not the user's business
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +124,7 @@ def plot_curves(tb_dir: Path, png: Path) -> bool:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("PPO training")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -163,12 +164,15 @@ def run(cfg) -> None:
 
     setup_torch(cfg)
     e = cfg.eval
+    inputs = [cfg.ppo.policy_dir, e.reward_dir, cfg.ppo.output_dir, *e.policies.values()]  # never replaced
+    check_output_dir(e.output_dir, "eval", inputs)  # before the sampling, not after it (atomic_dir checks again)
     device = torch.device("cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu")
     paths = accel.configure(cfg, device.type)
     storage, compute = resolve_precision(cfg)
     ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
     reward_dir = None if e.reward_dir is None else \
-        require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json")
+        require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json",
+                    or_else="set eval.reward_dir=null to evaluate without one")
     made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo"}
     policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
                    for name, path in e.policies.items()}
@@ -213,21 +217,32 @@ def run(cfg) -> None:
         report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],
                                  "rm_score": s["rm_score"][i]} for i in range(min(6, len(prompts)))]
     ppo_dir = Path(cfg.ppo.output_dir)
-    with atomic_dir(e.output_dir) as out:
-        if plot_curves(ppo_dir / "tensorboard", out / "training_curves.png"):
-            report["plot"] = "training_curves.png"
-        if (ppo_dir / "metrics.json").exists():
-            report["ppo_train"] = read_json(ppo_dir / "metrics.json")
-        write_json(out / "report.json", report)
-        with open(out / "responses.jsonl", "w", encoding="utf-8") as f:  # every response, for a closer look
-            for n, s in results.items():
-                for i, ex in enumerate(evals):
-                    row = {"policy": n, "prompt": ex.prompt[-1]["content"], "response": s["texts"][i],
-                           "rm_score": s["rm_score"][i], "kl": s["kl"][i]}
-                    if gt is not None:
-                        row["ground_truth"] = s["ground_truth"][i]
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        (out / "report.md").write_text(markdown(report), encoding="utf-8")
+    with atomic_dir(e.output_dir, "eval", inputs) as out:
+        write_report(out, report, results, evals, gt, ppo_dir, str(cfg.ppo.advantage))
+    print_summary(report, bool(e.greedy), e.output_dir)
+
+
+def write_report(out: Path, report: dict, results: dict, evals, gt, ppo_dir: Path, advantage: str) -> None:
+    """report.json, report.md, responses.jsonl and the training curves into the eval directory `out`."""
+    if (ppo_dir / "metrics.json").exists():
+        report["ppo_train"] = read_json(ppo_dir / "metrics.json")
+    estimator = report.get("ppo_train", {}).get("advantage", advantage)
+    if plot_curves(ppo_dir / "tensorboard", out / "training_curves.png", f"PPO training ({estimator})"):
+        report["plot"] = "training_curves.png"
+    write_json(out / "report.json", report)
+    with open(out / "responses.jsonl", "w", encoding="utf-8") as f:  # every response, for a closer look
+        for n, s in results.items():
+            for i, ex in enumerate(evals):
+                row = {"policy": n, "prompt": ex.prompt[-1]["content"], "response": s["texts"][i],
+                       "rm_score": s["rm_score"][i], "kl": s["kl"][i]}
+                if gt is not None:
+                    row["ground_truth"] = s["ground_truth"][i]
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (out / "report.md").write_text(markdown(report), encoding="utf-8")
+
+
+def print_summary(report: dict, greedy: bool, out_dir) -> None:
+    """One line per policy, the win rates, and where the report is."""
     for n, row in report["policies"].items():
         gt_s = f", ground truth {row['ground_truth_rate']:.3f}" if row["ground_truth_rate"] is not None else ""
         rm_s = f"RM {row['rm_score_mean']:+.3f}" if row["rm_score_mean"] is not None else "no RM"
@@ -235,4 +250,7 @@ def run(cfg) -> None:
               f"length {row['response_length_mean']:.1f}, EOS {row['eos_rate']:.2f}, empty {row['empty_rate']:.2f}")
     for k, v in report["win_rate"].items():
         print(f"win rate {k}: {v:.3f}")
-    print(f"report: {Path(e.output_dir) / 'report.md'}")
+    if greedy:
+        print("KL with eval.greedy=true: the log-ratio of the greedy tokens (temperature 1), a measure of how far "
+              "the policies' choices moved, not the KL of a sampling distribution")
+    print(f"report: {Path(out_dir) / 'report.md'}")
