@@ -114,18 +114,39 @@ def recipe_names() -> list[str]:
     return list(find_recipes())
 
 
+def read_recipe(path: Path) -> str:
+    """A recipe file's text; one that is not UTF-8 is an error naming the file and the place."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise RlhfError(f"recipe {path} is not UTF-8 (byte 0x{data[e.start]:02x} on line {line}); save it as UTF-8, "
+                        f"e.g. iconv -f latin1 -t utf-8") from None
+
+
 def recipe_summary(path: Path) -> str:
-    """The first comment line of a recipe (its one-line description), without the `# @package` header."""
-    for line in path.read_text(encoding="utf-8").splitlines():
+    """A recipe's description: its first paragraph of leading comments (without the `# @package` header),
+    joined into one line."""
+    try:
+        text = read_recipe(path)
+    except RlhfError:
+        return "(not UTF-8: save it as UTF-8 to use it)"
+    words = []
+    for line in text.splitlines():
         s = line.strip()
-        if not s:
-            continue
         if not s.startswith("#"):
             break
-        s = s.lstrip("#").strip()
-        if s and not s.startswith("@package"):
-            return s
-    return ""
+        body = s.lstrip("#")
+        s = body.strip()
+        if s.startswith("@package"):
+            continue
+        if not s or body.startswith("  "):  # a blank comment line or an indented block (commands) ends it
+            if words:
+                break
+            continue
+        words.append(s)
+    return " ".join(words)
 
 
 def _package_header(text: str) -> str | None:
@@ -145,7 +166,7 @@ def _store_user_recipe(recipe: Recipe) -> str:
     every group, so one without a `# @package` header is taken as `_global_`, like the shipped ones."""
     from hydra.core.config_store import ConfigStore
 
-    text = recipe.path.read_text(encoding="utf-8")
+    text = read_recipe(recipe.path)
     try:
         node = OmegaConf.create(text)
     except Exception as e:  # noqa: BLE001 - yaml and OmegaConf errors alike
@@ -234,7 +255,7 @@ def copy_recipe(name: str, dest: str | None = None) -> Path:
         raise RlhfError(f"{target} exists; choose another name (rlhf recipes copy {name} NEW_NAME) or "
                         "delete it")
     origin = "shipped with rlhf" if source.shipped else str(source.path)
-    text = recipe_copy_text(source.path.read_text(encoding="utf-8"), name, new, origin)
+    text = recipe_copy_text(read_recipe(source.path), name, new, origin)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text, encoding="utf-8")
     return target

@@ -6,6 +6,8 @@ Kept import-light (`rlhf recipes` answers without torch); Hydra composes only fo
 from __future__ import annotations
 
 import os
+import shutil
+import textwrap
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -63,7 +65,10 @@ def recipe_listing() -> list[str]:
         rows.append((r.name, where, note))
     w0 = max((len(a) for a, _, _ in rows), default=0)
     w1 = max((len(b) for _, b, _ in rows), default=0)
-    lines = [f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
+    width = max(shutil.get_terminal_size((110, 24)).columns, w0 + w1 + 40)
+    lines = [textwrap.fill(c, width, initial_indent=f"{a:<{w0}}  {b:<{w1}}  ",
+                           subsequent_indent=" " * (w0 + w1 + 4)) if c else f"{a:<{w0}}  {b}".rstrip()
+             for a, b, c in rows]
     env = [Path(p).expanduser().resolve() for p in os.environ.get(RECIPES_ENV, "").split(os.pathsep)
            if p.strip()]
     dirs = []

@@ -160,3 +160,20 @@ def test_a_response_longer_than_the_policy_s_positions(run_cli, tiny_base, tmp_p
                                  "ppo", f"ppo.response_length={limit * 10} + data.max_prompt_length=",
                                  f"more than the {limit} the policy has", "lower ppo.response_length")
     assert not (tmp_path / "ppo").exists(), line
+
+
+def test_a_recipe_that_is_not_utf8(run_cli, tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "latin.yaml").write_bytes(b"defaults:\n  - tiny\n  - _self_\nrecipe: latin\n# caf\xe9\n")
+    rc, out, err = run_cli("recipes")
+    assert rc == 0 and "latin" in out and "not UTF-8" in out, err  # the listing still works
+    assert_one_line_error(run_cli("sft", "recipe=latin"), "sft", "latin.yaml is not UTF-8 (byte 0xe9 on line 5)",
+                          "save it as UTF-8")
+
+
+def test_recipes_show_whole_descriptions(run_cli):
+    rc, out, err = run_cli("recipes")
+    assert rc == 0, err
+    text = " ".join(out.split())
+    assert "tiny-rule: the tiny chain rewarded by a rule instead of a reward model" in text
+    assert "the value model starts from the SFT policy." in text  # the description's last sentence, not cut

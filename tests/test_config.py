@@ -78,11 +78,12 @@ def test_qwen_recipe_switches_model_device_and_data():
 
 
 def test_overrides_apply_after_the_recipe():
-    cfg = compose("sft", ["recipe=qwen3-0.6b", "sft.learning_rate=0.5", "device=cpu", "+new=1"])
+    cfg = compose("sft", ["recipe=qwen3-0.6b", "sft.learning_rate=0.5", "device=cpu"])
     assert cfg.sft.learning_rate == 0.5
     assert cfg.device.accelerator == "cpu"
-    assert cfg.new == 1
     assert cfg.model.name_or_path == "Qwen/Qwen3-0.6B"
+    with pytest.raises(RlhfError, match="new is not a config key"):  # a new top-level key is a typo's twin
+        compose("sft", ["recipe=qwen3-0.6b", "+new=1"])
 
 
 def test_device_group_override():
