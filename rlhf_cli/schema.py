@@ -274,7 +274,8 @@ SCHEMA: dict[str, Rule] = {
     "ppo.logging_steps": count(),
     "ppo.sample_every": whole(0, help="0: never"),
     "ppo.save_every": whole(0, help="0: only at the end"),
-    "ppo.resume": flag(),
+    "ppo.resume": one_of(True, False, "force", help="force: continue although the run config that shapes the "
+                         "run changed (rlhf_cli.ppo.checkpoint.compare_run_config)"),
     "ppo.merge": flag(),
     # ---- conf/stage/eval.yaml
     "eval.output_dir": text(),

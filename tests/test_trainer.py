@@ -307,7 +307,10 @@ def test_a_pickle_in_a_checkpoint_is_never_loaded(base, tok, tmp_path):
     b = build(base, tok, ppo_cfg(), work=tmp_path / "b")
     b.resume(path)
     assert not flag.exists()
-    (path / checkpoint.STATE_TENSORS).write_bytes(b"\x00" * 7)  # truncated
+    (path / checkpoint.STATE_TENSORS).write_bytes(b"\x00" * 7)  # truncated: its checksum names it
+    with pytest.raises(RlhfError, match=r"\(trainer_state.safetensors checksum mismatch\)"):
+        b.resume(path)
+    (path / checkpoint.MANIFEST).unlink()  # without checksums (an older checkpoint) the reader names the file
     with pytest.raises(RlhfError, match=str(path / checkpoint.STATE_TENSORS)):
         b.resume(path)
     (path / checkpoint.STATE_JSON).write_text("not json")

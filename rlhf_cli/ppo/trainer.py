@@ -459,6 +459,50 @@ class PPOTrainer:
                                  episodes)
 
     # ----------------------------------------------------------------------------------- checkpoints
+    def run_config(self) -> dict:
+        """What shapes this run (its schedule, batches, weights and sources), by the config keys that set it:
+        stored with each checkpoint and compared on resume (`checkpoint.compare_run_config`). Episodes are those
+        trained (whole batches); directories are recorded as adapters record their base (relative inside the
+        run directory, so a moved run still resumes)."""
+        c, sz = self.c, self.sizes
+        lora = getattr(self.unwrapped, "peft_config", {}).get("default")
+        value, reward = self.value_model(), getattr(self.reward, "model", self.reward)
+
+        def where(src) -> str | None:
+            if not src:
+                return None
+            return checkpoint.portable_path(src, self.work, self.work.parent) if self.work else str(src)
+
+        frozen = next((q for q in (self.ref if self.ref is not None else self.unwrapped).parameters()
+                       if not q.requires_grad), None)
+        targets = getattr(lora, "target_modules", None)
+        return {
+            "ppo.total_episodes": sz.num_updates * sz.batch_size,
+            "ppo.per_device_train_batch_size": sz.micro_batch_size,
+            "ppo.gradient_accumulation_steps": sz.gradient_accumulation_steps,
+            "ppo.num_mini_batches": sz.num_mini_batches,
+            "device.num_processes": sz.world_size,
+            "ppo.num_ppo_epochs": c.num_ppo_epochs,
+            "ppo.response_length": c.response_length,
+            "ppo.advantage": c.advantage,
+            "ppo.samples_per_prompt": c.samples_per_prompt,
+            "ppo.reward": list(c.reward),
+            "ppo.learning_rate": c.learning_rate,
+            "ppo.value_learning_rate": c.value_learning_rate,
+            "ppo.lr_scheduler_type": c.lr_scheduler_type,
+            "ppo.warmup_ratio": c.warmup_ratio,
+            "ppo.weight_decay": c.weight_decay,
+            "ppo.lora.enabled": lora is not None,
+            "ppo.lora.r": getattr(lora, "r", None),
+            "ppo.lora.alpha": getattr(lora, "lora_alpha", None),
+            "ppo.lora.target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
+            "ppo.value_lora": hasattr(value, "peft_config") if value is not None else None,
+            "ppo.policy_dir": where(lora.base_model_name_or_path if lora is not None
+                                    else getattr(self.unwrapped, "name_or_path", None)),
+            "ppo.reward_dir": where(getattr(reward, "name_or_path", None)) if reward is not None else None,
+            "model.dtype": str(frozen.dtype).replace("torch.", "") if frozen is not None else None,
+        }
+
     def save(self) -> Path:
         """Checkpoint `checkpoints/checkpoint-<update>` (main process writes; every process takes part)."""
         consumed = [self.stream.consumed]
@@ -473,23 +517,41 @@ class PPOTrainer:
         if self.acc.is_main_process:
             state = {"update": self.progress.update, "episodes": self.progress.episodes,
                      "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                     "prompts_consumed": consumed, "metrics": self.progress.metrics}
+                     "prompts_consumed": consumed, "metrics": self.progress.metrics, "config": self.run_config()}
             checkpoint.save(path, self.unwrapped, self.value_model(), self.tok, state, self.optimizer.state_dict(),
-                            rngs)
+                            rngs, root=self.work.parent)
             self.hooks.on_save(path)
         self.acc.wait_for_everyone()
         return path
 
-    def resume(self, path: Path) -> None:
-        """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG."""
-        st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank)
+    def resume(self, path: Path, force: bool = False) -> None:
+        """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG, once
+        `checkpoint.load` has checked all of it against this run. `force` (ppo.resume=force): a run config that
+        changed continues with the new values (learning rates, schedule, weight decay from here on)."""
+        st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank, optimizer=self.optimizer,
+                             run_config=self.run_config(), force=force,
+                             states={"scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()})
+        fresh = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
+        if st["changed"]:
+            self._continue_with(fresh)
         self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))
         consumed = st["prompts_consumed"]
         self.stream.consumed = consumed[self.rank] if self.rank < len(consumed) else consumed[0]
         checkpoint.set_rng_state(*st["rng"])
+
+    def _continue_with(self, fresh: list[dict]) -> None:
+        """This run's optimizer hyper-parameters (`fresh`, one dict per group) instead of the checkpoint's, and
+        its schedule's learning rate at the step reached."""
+        groups, sch = self.optimizer.param_groups, self.scheduler
+        for g, f in zip(groups, fresh):
+            g.update(f)
+        sch.base_lrs = [g["initial_lr"] for g in groups]
+        for g, base, fn in zip(groups, sch.base_lrs, getattr(sch, "lr_lambdas", [])):
+            g["lr"] = base * fn(sch.last_epoch)
+        sch._last_lr = [g["lr"] for g in groups]
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, float]:

@@ -72,7 +72,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
                          writer=writer, hooks=hooks, reward_functions=functions)
     if p.resume:
         ckpt = checkpoint.latest(work / "checkpoints")
-        trainer.resume(ckpt)
+        trainer.resume(ckpt, force=p.resume == "force")
         log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
                  trainer.progress.episodes)
     describe(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
