@@ -8,10 +8,14 @@ second; each stage imports its heavy libraries inside `run(cfg)`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+import re
+import signal
 import sys
+import threading
 
 from omegaconf import OmegaConf
 
@@ -102,6 +106,74 @@ def fail(command: str, message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def hydra_failure(e: BaseException) -> str:
+    """One line for an error Hydra raises before the stage runs: an interpolation that cannot be resolved (an
+    unset environment variable), a run directory it cannot create, a config it cannot compose."""
+    from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+    chain = [e]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for err in chain:
+        if isinstance(err, OSError) and err.filename:
+            return (f"cannot write the run's directory {err.filename}: {err.strerror}; choose a run_dir that is a "
+                    "directory you can write (run_dir=PATH)")
+        if isinstance(err, InterpolationResolutionError):
+            key = getattr(err, "full_key", None) or "the config"
+            env = re.search(r"Environment variable '([^']+)' not found", str(err))
+            if env:
+                return f"environment variable {env.group(1)} is not set (used by {key}); set it, or give the key " \
+                       "that uses it a value on the command line"
+            return f"{str(err).splitlines()[0].rstrip('.')} (in {key})"
+        if isinstance(err, OmegaConfBaseException):
+            return str(err).splitlines()[0]
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread: the stage unwinds as it does for Ctrl-C (the output being built is
+    removed, checkpoints stay) and ends with one line and exit 143."""
+
+
+def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated
+
+
+def _resume_hint(cfg) -> str:
+    """What continues the stopped stage ("sft.resume=true continues from checkpoint-40")."""
+    if cfg.get("command") not in ("sft", "reward", "ppo"):
+        return "completed outputs are intact"
+    try:
+        from rlhf_cli.stages._common import resume_hint
+
+        return resume_hint(cfg)
+    except Exception:  # noqa: BLE001 - the line must come out whatever the disk holds
+        return "completed outputs are intact"
+
+
+def _quiet_on_broken_pipe(main):
+    """A reader that stops early (`rlhf --help | head -1`) ends the command quietly with exit 141 (128 +
+    SIGPIPE, as a shell tool would), not with a BrokenPipeError."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            try:
+                return main(*args, **kwargs)
+            finally:
+                if sys.stdout is not None:
+                    sys.stdout.flush()  # here, where a closed pipe can still be caught, rather than at exit
+        except BrokenPipeError:
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush goes nowhere
+            except (OSError, ValueError):
+                pass
+            sys.exit(141)
+
+    return run
+
+
 # multirun jobs that failed, as "<job>: <error>": main() exits non-zero after the sweep when there are any
 _failed_jobs: list[str] = []
 
@@ -114,11 +186,14 @@ def run_stage(cfg) -> dict | None:
     command = cfg.command
     job = current_job()
     output = job_output(cfg, job) if job is not None else None
+    on_term = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if on_term else None
     try:
         try:
             if output is not None:
                 OmegaConf.update(cfg, output[0], output[1], merge=False)
             schema.validate(cfg)  # every key's type and range, once, before launching or building anything
+            schema.check_inputs(cfg)
             rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")
@@ -129,12 +204,16 @@ def run_stage(cfg) -> dict | None:
             from rlhf_cli import tracking
 
             tracking.finish()
+            if on_term:  # the stage is over: SIGTERM does what it did before
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     except RlhfError as e:
         if cfg.get("debug"):
             raise
         return _stop(command, str(e), e.exit_code, job)
+    except Terminated:
+        fail(command, f"terminated (SIGTERM); {_resume_hint(cfg)}", 143)
     except KeyboardInterrupt:
-        fail(command, "interrupted; completed outputs are intact (PPO: resume=true continues)", 130)
+        fail(command, f"interrupted; {_resume_hint(cfg)}", 130)
     except Exception as e:  # noqa: BLE001 - the last line of defence for a CLI
         if cfg.get("debug"):
             raise
@@ -190,6 +269,7 @@ def _hydra_app():
     return app
 
 
+@_quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not (CONF_DIR / "config.yaml").is_file():
@@ -232,7 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         hydra_overrides += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     sys.argv = [f"rlhf {command}", *flags, *hydra_overrides]
-    _hydra_app()()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own failures come here as exceptions, not its multi-line report
+    try:
+        _hydra_app()()
+    except Exception as e:  # noqa: BLE001 - raised before or around the stage (which reports its own errors)
+        fail(command, hydra_failure(e))
     if _failed_jobs:
         fail(command, f"{len(_failed_jobs)} job(s) of the multirun failed: {_failed_jobs[0]}"
                       f"{' (and more, see summary.txt)' if len(_failed_jobs) > 1 else ''}", 1)

@@ -280,10 +280,11 @@ def _free_text(override: str, command: str) -> str:
     """Quote free text that Hydra's override lexer rejects unquoted (non-ASCII, spaces, punctuation):
     `rlhf chat prompt="你好, world?"` is `chat.prompt='你好, world?'`."""
     key, sep, value = override.partition("=")
-    if not sep or value[:1] in ("'", '"'):
+    quoted = value[:1] in ("'", '"')
+    if command == "chat" and key in ("prompt", "system_prompt") and sep:
+        return f"chat.{key}=" + (value if quoted else quote(value))
+    if not sep or quoted:
         return override
-    if command == "chat" and key in ("prompt", "system_prompt"):
-        return f"chat.{key}={quote(value)}"
     # special-token spellings such as <|endoftext|> are never Hydra syntax
     if key in ("chat.prompt", "chat.system_prompt", "data.system_prompt") or not value.isascii() \
             or any(c in value for c in "<|>"):
@@ -295,7 +296,7 @@ def translate_overrides(command: str, overrides: list[str]) -> list[str]:
     """User overrides -> Hydra overrides: `recipe=NAME` selects NAME.yaml from the recipe search path
     (recipe_dirs); free text is quoted. Keys that the config groups do not have are refused here, before Hydra
     (see rlhf_cli.schema)."""
-    schema.check_override_keys(overrides, command)
+    schema.check_override_keys([_free_text(o, command) for o in overrides], command)  # chat's prompt= as chat.prompt
     out = [searchpath_override(), f"command={command}"]
     recipes = find_recipes()
     chosen = False

@@ -245,12 +245,29 @@ def load_kwargs(model_cfg) -> dict:
     return kw
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def refuse_pickle(path) -> None:
+    """Nothing is unpickled from disk: a local model directory with pickle weights and no safetensors is one line
+    naming the file and how to convert it."""
+    d = Path(str(path))
+    if not d.is_dir() or any(d.glob("*.safetensors")):
+        return
+    pickled = sorted(f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES and "model" in f.name)
+    if pickled:
+        raise RlhfError(f"{d / pickled[0]} holds pickle weights, which rlhf never loads (unpickling runs code); "
+                        "convert the model to safetensors where you trust its source, e.g. load it in transformers "
+                        "and save_pretrained(dir, safe_serialization=True)")
+
+
 def _from_pretrained(auto_cls, path, model_cfg, **kw):
     """`auto_cls.from_pretrained` with the config's options; an attention kernel the library refuses is named
     by its key."""
     opts = load_kwargs(model_cfg)
+    refuse_pickle(path)
     try:
-        return auto_cls.from_pretrained(_abs(path), **kw, **opts)
+        return auto_cls.from_pretrained(_abs(path), **kw, **opts, use_safetensors=True)
     except (ValueError, ImportError) as e:
         if "attn_implementation" in opts and "attn_implementation" in str(e):
             raise RlhfError(f"model.attn_implementation={opts['attn_implementation']} cannot be used here "
@@ -374,20 +391,18 @@ def fp32_trainables(model) -> None:
 
 
 def _adapter_base(path: Path, fallback) -> Path:
-    """The base of an adapter directory: the one it records (`base_model_name_or_path`), else `fallback`.
-
-    rlhf records a base inside the same run directory relative to the adapter ("../sft": the run can be copied
-    or moved; `rlhf_cli.ppo.checkpoint.save_model`), and reads a relative path against the adapter's directory
-    first, then against the working directory (where plain peft reads it: `AutoPeftModelForCausalLM` follows
-    such an adapter only when started in the adapter's directory)."""
+    """The base of an adapter directory: the one rlhf recorded relative to it (adapter_base.json: follows a copied
+    or moved run; `rlhf_cli.ppo.checkpoint.save_model`), else peft's `base_model_name_or_path`, else `fallback`."""
     from rlhf_cli.io import read_json
 
     recorded = read_json(path / "adapter_config.json").get("base_model_name_or_path")
     cands = [recorded, fallback]
-    if recorded and not Path(recorded).expanduser().is_absolute():
+    if recorded and not Path(recorded).expanduser().is_absolute():  # a relative one, as earlier versions wrote
         cands.insert(0, Path(path).resolve() / recorded)
+    if (path / "adapter_base.json").is_file():
+        cands.insert(0, Path(path).resolve() / str(read_json(path / "adapter_base.json").get("relative", "")))
     for cand in cands:
-        if cand and Path(cand).expanduser().is_dir():
+        if cand and Path(cand).expanduser().is_dir() and str(cand) != str(Path(path).resolve() / ""):
             return Path(cand).expanduser().resolve()
     raise RlhfError(f"the base model of the adapter at {path} is not found (recorded: {recorded}, configured: "
                     f"{fallback}); set ppo.policy_dir to the SFT model it was trained on")

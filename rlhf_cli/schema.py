@@ -129,6 +129,11 @@ def _trainer_keys(stage: str) -> dict[str, Rule]:
         "logging_steps": count(),
         "eval_steps": count(),
         "activation_checkpointing": flag(),
+        # checkpoints and resume (rlhf_cli.stages._common.Checkpoints)
+        "save_steps": whole(0, help="0: no checkpoints"),
+        "save_total_limit": whole(1, null=True, help="null: keep all"),
+        "resume": flag(help="continue the interrupted run from its latest checkpoint"),
+        "fresh": flag(help="delete an interrupted run (its checkpoints) and start over"),
     }.items()}
 
 
@@ -142,7 +147,7 @@ SCHEMA: dict[str, Rule] = {
     "command": one_of(*COMMANDS),
     "recipe": text(),
     "run_dir": text(),
-    "seed": whole(0),
+    "seed": whole(0, 2**32 - 1),
     "debug": flag(),
     "dry_run": flag(),
     "export.output_dir": text(null=True),
@@ -276,6 +281,7 @@ SCHEMA: dict[str, Rule] = {
     "ppo.save_every": whole(0, help="0: only at the end"),
     "ppo.resume": one_of(True, False, "force", help="force: continue although the run config that shapes the "
                          "run changed (rlhf_cli.ppo.checkpoint.compare_run_config)"),
+    "ppo.fresh": flag(help="delete an interrupted run (its checkpoints) and start over"),
     "ppo.merge": flag(),
     # ---- conf/stage/eval.yaml
     "eval.output_dir": text(),
@@ -289,7 +295,7 @@ SCHEMA: dict[str, Rule] = {
     "eval.top_p": number(gt=0, hi=1),
     "eval.greedy": flag(),
     # ---- conf/stage/chat.yaml
-    "chat.model_dir": text(),
+    "chat.model_dir": text(null=True),
     "chat.prompt": text(null=True, empty=True),
     "chat.system_prompt": text(null=True, empty=True),
     "chat.max_new_tokens": count(),
@@ -318,12 +324,29 @@ def validate(cfg: DictConfig) -> None:
         raise RlhfError(first[1] + more)
 
 
+NEEDS_DATA = ("sft", "reward", "ppo", "eval")  # commands that read data.train_path
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """Inputs a command cannot run without, checked before any model is fetched (a hub download can take long)."""
+    if cfg.get("command") in NEEDS_DATA and not cfg.data.get("train_path"):
+        raise RlhfError(f"data.train_path is not set: recipe {cfg.get('recipe')} trains on your preference file; "
+                        f"e.g. rlhf {cfg.command} recipe={cfg.get('recipe')} data.train_path=pairs.jsonl")
+
+
 def check_override_keys(overrides: list[str], command: str = "") -> None:
     """Refuse command-line overrides of keys that the groups do not have (`sft.max_step=2`, `+sft.max_step=2`)
-    before Hydra composes anything. Group choices (`device=cuda`), top-level and `hydra.*` keys pass."""
+    before Hydra composes anything, and top-level names that are neither a key nor a group (`+foo=bar`). Group
+    choices (`device=cuda`), top-level keys and `hydra.*` keys pass."""
+    tops = {k.split(".", 1)[0] for k in SCHEMA} | set(GROUPS) | {"hydra"}
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("~+").strip()
-        if "." not in key or "@" in key or key.split(".", 1)[0] not in GROUPS:
+        head = key.split(".", 1)[0].split("@", 1)[0]
+        if head not in tops:  # a top-level typo (`+foo=bar`, `sed=1`) is refused like a group key's
+            close = difflib.get_close_matches(head, sorted(tops - {"hydra", "command"}), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"`rlhf {command or '<command>'} --cfg job` prints the keys"
+            raise RlhfError(f"{key} is not a config key; {hint}")
+        if "." not in key or "@" in key or head not in GROUPS:
             continue
         if key in SCHEMA or key in _PARENTS or any(key.startswith(k + ".") for k in SCHEMA):
             continue

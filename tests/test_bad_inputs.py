@@ -40,7 +40,7 @@ CASES = [
     Case("sft sft.activation_checkpointing=maybe", "sft.activation_checkpointing=maybe is not true or false"),
     Case("sft sft.lr_scheduler_type=cosinus", "sft.lr_scheduler_type=cosinus is unknown"),
     Case("sft sft.lr_scheduler_type=warmup_stable_decay", "sft.lr_scheduler_type=warmup_stable_decay needs"),
-    Case("sft seed=abc", "seed=abc is not an integer; use a whole number ≥ 0"),
+    Case("sft seed=abc", "seed=abc is not an integer; use a whole number in [0, 4294967295]"),
     # data and model
     Case("sft data.eval_ratio=1", "data.eval_ratio=1 is out of range; use a number in [0, 1)"),
     Case("sft data.format=csv", "data.format=csv is unknown; use one of auto, seed, prompt"),
@@ -110,7 +110,7 @@ CASES = [
          files=(("pairs.jsonl", '{"question": "q", "chosen": "a", "rejected": "b"}\n' * 4 + "\n\n\n\n"
                  + '{"question": "q"}\n'),), early=False),
     Case("sft device=cuda model.tiny.dir={tiny_base}", "needs a CUDA GPU, but torch sees none", early=False),
-    Case("ppo ppo.resume=true ppo.policy_dir={tiny_base} ppo.reward_dir={tiny_base}",
+    Case("ppo ppo.resume=true ppo.policy_dir={tiny_base} ppo.reward=[rlhf_cli.demo:polite_reward] ppo.value_init=sft",
          "no interrupted run to resume", early=False),
 ]
 

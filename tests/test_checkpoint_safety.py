@@ -262,8 +262,9 @@ def test_the_schema_takes_resume_true_false_and_force():
 # ---------------------------------------------------------------------------------------- runs that can move
 def test_a_copied_run_loads_and_resumes_after_the_original_is_deleted(base, tok, tmp_path, monkeypatch):
     """A run directory (sft, the PPO output and its checkpoint) copied elsewhere, the original deleted: the
-    adapter's base is recorded relative to it, so load_policy, plain peft started in the adapter's directory,
-    and a resume from the copy all find it."""
+    adapter's base is recorded relative to it (adapter_base.json, beside peft's absolute path, which plain peft
+    follows from any directory while the run is in place), so load_policy and a resume from the copy find it, and
+    plain peft does with the base loaded first."""
     from peft import AutoPeftModelForCausalLM
 
     from rlhf_cli.models import load_policy
@@ -278,8 +279,11 @@ def test_a_copied_run_loads_and_resumes_after_the_original_is_deleted(base, tok,
     checkpoint.save_model(a.unwrapped, run / ".ppo.partial")
     (run / ".ppo.partial").rename(run / "ppo")
     ckpt = run / "ppo" / "checkpoints" / "checkpoint-1"
-    assert json.loads((run / "ppo" / "adapter_config.json").read_text())["base_model_name_or_path"] == "../sft"
-    assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == "../../../sft"
+    assert json.loads((run / "ppo" / "adapter_base.json").read_text())["relative"] == "../sft"
+    assert json.loads((ckpt / "adapter_base.json").read_text())["relative"] == "../../../sft"
+    with torch.no_grad():  # in place, plain peft loads it from anywhere
+        torch.testing.assert_close(AutoPeftModelForCausalLM.from_pretrained(str(run / "ppo"))(torch.tensor([[5]])).logits,
+                                   a.unwrapped(torch.tensor([[5]])).logits)
 
     moved = tmp_path / "elsewhere" / "tiny"
     shutil.copytree(run, moved)
@@ -289,8 +293,11 @@ def test_a_copied_run_loads_and_resumes_after_the_original_is_deleted(base, tok,
     with torch.no_grad():
         expected = a.unwrapped(ids).logits
         torch.testing.assert_close(model(ids).logits, expected)
-        monkeypatch.chdir(moved / "ppo")  # plain peft reads the relative base against the working directory
-        torch.testing.assert_close(AutoPeftModelForCausalLM.from_pretrained(".")(ids).logits, expected)
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        moved_base = AutoModelForCausalLM.from_pretrained(str(moved / "sft"))
+        torch.testing.assert_close(PeftModel.from_pretrained(moved_base, str(moved / "ppo"))(ids).logits, expected)
     b = build(moved / "sft", tok, p, work=moved / ".ppo.partial", seed=5)
     b.resume(moved / "ppo" / "checkpoints" / "checkpoint-1")  # the policy and reward dirs compare as relative
     assert all(torch.equal(qa, qb) for qa, qb in zip(a.pol_params, b.pol_params))

@@ -177,3 +177,12 @@ def test_recipes_show_whole_descriptions(run_cli):
     text = " ".join(out.split())
     assert "tiny-rule: the tiny chain rewarded by a rule instead of a reward model" in text
     assert "the value model starts from the SFT policy." in text  # the description's last sentence, not cut
+
+
+def test_a_recipe_s_required_data_is_asked_for_before_any_download(run_cli, tmp_path):
+    """qwen3-0.6b names a hub model and no data: the missing file is the first (and quick) error, not a
+    download attempt."""
+    result = run_cli("sft", "recipe=qwen3-0.6b", "device=cpu", f"run_dir={tmp_path}")
+    assert_one_line_error(result, "sft", "data.train_path is not set: recipe qwen3-0.6b trains on your preference "
+                          "file", "data.train_path=pairs.jsonl")
+    assert "modelscope" not in result[2].lower()  # no hub was asked

@@ -257,3 +257,21 @@ def test_the_wrong_kind_of_model_is_refused(base, tok, tmp_path):
                                         r"a reward model comes from rlhf reward"):
         models.load_seq_cls(base, tok, torch.float32, trained_head=True)
     assert models.load_seq_cls(base, tok, torch.float32).score.out_features == 1  # a value model from a policy
+
+
+def test_pickle_weights_are_never_loaded(base, tmp_path):
+    """A model directory with only pickle weights: one line naming the file, before transformers (or torch's
+    `weights_only` advice) is reached."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from rlhf_cli import models
+
+    pk = tmp_path / "pickled"
+    shutil.copytree(base, pk)
+    (w,) = pk.glob("*.safetensors")
+    torch.save(load_file(str(w)), pk / "pytorch_model.bin")
+    w.unlink()
+    with pytest.raises(RlhfError, match=r"pickled/pytorch_model.bin holds pickle weights, which rlhf never loads"):
+        models.load_causal_lm(pk, torch.float32)

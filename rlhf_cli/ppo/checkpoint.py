@@ -46,13 +46,12 @@ def save_model(model, path: Path, root: Path | None = None) -> None:
     """The adapter (embeddings are never trained, so a LoRA on a tied output layer saves only its A and B), or
     the full model.
 
-    An adapter records its base (`base_model_name_or_path` in adapter_config.json) relative to its own directory
-    when the base lies inside `root` (the run directory, which moves as one; default: the adapter directory's
-    parent, the run directory of a stage output), e.g. "../sft", else as an absolute path: a copied or moved run
-    still loads in rlhf (`rlhf_cli.models.load_policy` resolves the path against the adapter's directory). Plain
-    peft (`AutoPeftModelForCausalLM.from_pretrained(dir)`) resolves it against the working directory, so it loads
-    such an adapter from within the adapter's directory; from elsewhere, load the base and then
-    `PeftModel.from_pretrained(base, dir)`."""
+    An adapter records its base twice: peft's absolute `base_model_name_or_path` (plain peft's
+    `AutoPeftModelForCausalLM.from_pretrained(dir)` works from anywhere while the run stays in place), and, when
+    the base lies inside `root` (the run directory, which moves as one; default: the adapter directory's parent),
+    the path relative to the adapter in adapter_base.json, e.g. "../sft", which `rlhf_cli.models.load_policy`
+    follows first: a copied or moved run still loads in rlhf. After a move, plain peft needs the base loaded
+    first: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), dir)`."""
     if hasattr(model, "peft_config"):
         model.save_pretrained(str(path), save_embedding_layers=False)
         _record_base(Path(path), Path(path).parent if root is None else Path(root))
@@ -70,15 +69,19 @@ def portable_path(target, start: Path, root: Path) -> str:
     return os.path.relpath(t, Path(start).resolve()) if t.is_relative_to(Path(root).resolve()) else str(t)
 
 
+BASE_FILE = "adapter_base.json"  # beside adapter_config.json: the base relative to the adapter (a run can move)
+
+
 def _record_base(adapter: Path, root: Path) -> None:
-    file = adapter / "adapter_config.json"
-    conf = json.loads(file.read_text(encoding="utf-8"))
+    """adapter_config.json keeps peft's absolute `base_model_name_or_path` (plain peft loads the adapter from any
+    working directory while the run stays where it is); `adapter_base.json` adds the base relative to the adapter
+    when it lies inside `root`, which rlhf follows first, so a copied or moved run still loads."""
+    conf = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
     base = conf.get("base_model_name_or_path")
     if base and Path(base).is_absolute():
         rel = portable_path(base, adapter, root)
         if rel != base:
-            conf["base_model_name_or_path"] = rel
-            file.write_text(json.dumps(conf, indent=2, sort_keys=True), encoding="utf-8")
+            (adapter / BASE_FILE).write_text(json.dumps({"relative": rel}) + "\n", encoding="utf-8")
 
 
 def weights_file(model, path: Path) -> Path:
@@ -258,7 +261,7 @@ def save(path: Path, policy, value_model, tok, state: dict, optimizer_state: dic
     tensors = {f"optimizer/{k}": v for k, v in opt_t.items()}
     for rank, (_js, rt) in enumerate(rng):
         tensors.update({f"rng/{rank}/{k}": v.cpu().contiguous() for k, v in rt.items()})
-    with atomic_dir(path, every_rank=False) as tmp:  # the main process alone writes checkpoints
+    with atomic_dir(path, "checkpoint", every_rank=False) as tmp:  # the main process alone writes checkpoints
         save_model(policy, tmp, root)
         tok.save_pretrained(str(tmp))
         if value_model is not None:  # critic-free runs (grpo, rloo, reinforce_pp) have none
@@ -424,30 +427,52 @@ def _read_tensors(file: Path, load_file, ckpt: Path | None = None) -> dict[str, 
                         "to resume from an earlier checkpoint, or drop ppo.resume=true") from e
 
 
-def work_dir(out: Path, resume: bool) -> Path:
-    """The hidden sibling `.<name>.partial` a run is built in (and published from when it succeeds).
-    resume=True continues it from its latest checkpoint; a finished run is not resumed, and nothing changes."""
+def work_dir(out: Path, resume: bool, fresh: bool = False, inputs=()) -> Path:
+    """The hidden sibling `.<name>.partial` a run is built in (and published from when it succeeds), claimed
+    for this run: the run lock of `out` (io.claim_output) covers it until `publish`, so a second run into `out`
+    is refused at once, naming this one. `inputs`: the directories the run reads (never its output).
+
+    resume=True continues the partial run from its latest checkpoint; a finished run is not resumed. Without it
+    an interrupted run (a checkpoint in the partial directory) is refused unless fresh=True, which deletes it and
+    starts over: interrupted work is never deleted silently. A refusal changes nothing."""
+    import logging
     import shutil
 
-    from rlhf_cli.io import check_output_dir
+    from rlhf_cli.io import check_output_dir, claim_output, release_output
 
+    if resume and fresh:
+        raise RlhfError("ppo.resume=true continues the interrupted run and ppo.fresh=true deletes it; give one of "
+                        "them")
     work = out.parent / f".{out.name}.partial"
-    if resume:
-        if latest(work / "checkpoints") is not None:
-            return work
-        if (out / "metrics.json").exists():
-            done = json.loads((out / "metrics.json").read_text(encoding="utf-8")).get("total_episodes")
-            raise RlhfError(f"ppo.resume=true: {out} is a finished run ({done} episodes) and nothing was "
-                            "interrupted; drop ppo.resume=true to train a new run (it replaces this one only when "
-                            "it succeeds)")
-        raise RlhfError(f"ppo.resume=true but there is no interrupted run to resume at {work}; drop resume=true")
-    check_output_dir(out)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    check_output_dir(out, "ppo", inputs)
+    claim_output(out, "ppo")
+    try:
+        ckpt = latest(work / "checkpoints")
+        if resume:
+            if ckpt is not None:
+                return work
+            if (out / "metrics.json").exists():
+                done = json.loads((out / "metrics.json").read_text(encoding="utf-8")).get("total_episodes")
+                raise RlhfError(f"ppo.resume=true: {out} is a finished run ({done} episodes) and nothing was "
+                                "interrupted; drop ppo.resume=true to train a new run (it replaces this one only "
+                                "when it succeeds)")
+            raise RlhfError(f"ppo.resume=true but there is no interrupted run to resume at {work}; drop "
+                            "resume=true")
+        if ckpt is not None and not fresh:
+            raise RlhfError(f"{work} holds an interrupted run ({ckpt.name}); continue it with ppo.resume=true, "
+                            "or start over with ppo.fresh=true")
+        if ckpt is not None:
+            logging.getLogger("rlhf").warning("ppo.fresh=true: deleting the interrupted run in %s (up to %s) "
+                                              "and starting over", work, ckpt.name)
+        shutil.rmtree(work, ignore_errors=True)  # no checkpoint: a run killed before its first one
+        work.mkdir(parents=True)
+    except BaseException:
+        release_output(out)
+        raise
     return work
 
 
 def latest(directory: Path) -> Path | None:
     """The checkpoint with the highest update number under `directory` (checkpoint-N), or None."""
-    ckpts = [c for c in directory.glob("checkpoint-*") if c.name.split("-", 1)[1].isdigit()]
+    ckpts = [c for c in directory.glob("checkpoint-*") if c.name.split("-", 1)[1].isdigit() and c.is_dir()]
     return max(ckpts, key=lambda c: int(c.name.split("-", 1)[1])) if ckpts else None

@@ -63,7 +63,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
                                   score_batch_size=_sampling.score_batch_size(cfg, sizes.micro_batch_size, vocab))
     out = Path(p.output_dir)
     if acc.is_main_process:
-        checkpoint.work_dir(out, bool(p.resume))
+        checkpoint.work_dir(out, bool(p.resume), bool(p.fresh),
+                            inputs=[p.policy_dir, p.reward_dir, p.value_init])
     acc.wait_for_everyone()
     work = out.parent / f".{out.name}.partial"
     writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)  # TensorBoard, and wandb if asked
@@ -84,7 +85,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     if acc.is_main_process:
         write_outputs(trainer, tok, work, cfg, time.perf_counter() - t_start)
         writer.close()
-        publish(work, out)
+        publish(work, out, "ppo")
         log.info("ppo: %d episodes; wrote %s", trainer.progress.episodes, out)
     acc.wait_for_everyone()
     acc.end_training()
@@ -110,7 +111,7 @@ def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> 
     checkpoint.save_model(trainer.unwrapped, work)
     tok.save_pretrained(str(work))
     if trainer.value is not None:
-        checkpoint.save_model(trainer.value_model(), work / "value")
+        checkpoint.save_model(trainer.value_model(), work / "value", root=work.parent)  # a base in the run: relative
     if p.merge and p.lora.enabled:
         import copy
 
