@@ -1,26 +1,49 @@
 """Atomic stage outputs: build in a hidden sibling directory, rename into place only on success.
 
-Every output directory carries a small marker file (`.rlhf-output`), so that a later run replaces only what
-rlhf itself wrote: an existing non-empty directory without the marker is refused, never deleted.
+Every output directory carries a small marker file (`.rlhf-output`) naming the stage that wrote it (its kind:
+sft, reward, ppo, eval, export, or a PPO checkpoint) and the run, so that a stage replaces only its own kind of
+output: a directory without the marker, one that holds another stage's output, an input of the same command, or
+anything inside another output is refused, never deleted (`check_output_dir`).
+
+One run per output: the process that writes an output holds an exclusive `flock` on `.<name>.lock` beside it
+(JSON inside names the holder) while it builds and publishes it, so that a second run into the same directory is
+refused at once with a line naming the first. The kernel drops the lock when its process ends however it ends,
+so a lock file left by a killed run is recognised as stale and taken over with a log line.
 
 In a multi-process run (torchrun / accelerate launch) every process enters the same block, but only the main
-process (global rank 0) creates, renames and deletes directories; the others wait for it at a barrier."""
+process (global rank 0) locks, creates, renames and deletes directories; the others wait for it at a barrier."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import fcntl
 import json
+import logging
 import os
+import shlex
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_cli.errors import RlhfError
 
+log = logging.getLogger("rlhf")
+
 OUTPUT_MARKER = ".rlhf-output"
+STAGE_KINDS = ("sft", "reward", "ppo", "eval", "export")
+KINDS = (*STAGE_KINDS, "checkpoint")  # what a marker's "kind" names: the stage that wrote it, or a PPO checkpoint
+# markers of earlier versions name no kind: a stage still replaces one in the directory it writes by default
+# (`export` writes <ppo>/merged, or <job>/export in a multirun)
+_LEGACY_NAMES = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo",), "eval": ("eval",),
+                 "export": ("merged", "export")}
+
+Inputs = Iterable[str | Path | None]  # the directories a command reads: never its output
 
 
 def _dist():
@@ -56,12 +79,32 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _command() -> str:
+    """This process's command line, for markers and locks: `rlhf ppo ppo.total_episodes=64` (the CLI sets
+    argv[0] to `rlhf <command>`; its own Hydra plumbing is left out)."""
+    argv = sys.argv or ["python"]
+    head = argv[0] if argv[0].startswith("rlhf ") else Path(argv[0]).name
+    args = [a for a in argv[1:] if not a.startswith(("hydra.", "command="))]
+    return f"{head} {shlex.join(args)}".strip()[:500]
+
+
+def _show(path: Path) -> str:
+    """`path` for an error line: relative to the working directory when it lies below it."""
+    with contextlib.suppress(ValueError, OSError):
+        return str(path.relative_to(Path.cwd().resolve()))
+    return str(path)
+
+
 # ------------------------------------------------------------------------------------------ ownership marker
-def _write_marker(directory: Path) -> None:
-    """Mark `directory` as written by rlhf. The pid and host let a later run tell whether the writer of a
-    leftover temporary directory is still alive."""
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    marker = {"written_by": "rlhf", "time": now, "pid": os.getpid(), "host": socket.gethostname()}
+def _write_marker(directory: Path, kind: str | None = None) -> None:
+    """Mark `directory` as written by rlhf's `kind` stage in this run. The pid and host also let a later run
+    tell whether the writer of a leftover temporary directory is still alive."""
+    marker = {"written_by": "rlhf", "kind": kind, "command": _command(), "time": _now(), "pid": os.getpid(),
+              "host": socket.gethostname()}
     (directory / OUTPUT_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
 
 
@@ -69,23 +112,275 @@ def _is_marked(directory: Path) -> bool:
     return (directory / OUTPUT_MARKER).is_file()
 
 
-def check_output_dir(final: str | Path) -> None:
-    """Raise unless `final` may be replaced: it does not exist, is an empty directory, or was written by rlhf
-    (it, or the output directory it lies in, carries the marker; e.g. `ppo/merged`). Reads only, changes
-    nothing, so a refused run leaves the disk as it was."""
+def _marker(directory: Path) -> dict | None:
+    """The marker's fields; None when `directory` has none, {} when it cannot be read (still rlhf's)."""
+    try:
+        text = (directory / OUTPUT_MARKER).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return {} if _is_marked(directory) else None
+    with contextlib.suppress(ValueError):
+        doc = json.loads(text)
+        if isinstance(doc, dict):
+            return doc
+    return {}
+
+
+def _holds(directory: Path) -> str:
+    """What `directory` holds, in words, for an error line."""
+    marker = _marker(directory)
+    if marker is not None:
+        kind = marker.get("kind")
+        if kind == "checkpoint":
+            return "a PPO checkpoint"
+        when = f", written {marker['time']}" if isinstance(marker.get("time"), str) else ""
+        if kind in STAGE_KINDS:
+            return f"the {kind} stage's output{when}"
+        return f"an rlhf output of an earlier version whose marker names no stage{when}"
+    with contextlib.suppress(OSError):
+        ckpts = sorted(p.name for p in directory.glob("checkpoint-*") if p.is_dir())
+        if ckpts:
+            return f"PPO checkpoints ({', '.join(ckpts[:3])}{', ...' if len(ckpts) > 3 else ''})"
+        outputs = sorted(p.name for p in directory.iterdir() if p.is_dir() and _is_marked(p))
+        if outputs:
+            return f"rlhf outputs ({', '.join(outputs[:4])}{', ...' if len(outputs) > 4 else ''})"
+    return "files that rlhf did not write"
+
+
+def _key(kind: str | None) -> str:
+    return f"{kind}.output_dir" if kind in STAGE_KINDS else "output directory"
+
+
+def _merged_of_ppo(kind: str | None, where: Path, parent: Path) -> bool:
+    """Export's default target, the `merged` folder of a PPO output (`ppo.merge=true` writes one too): the one
+    place a stage writes inside another's output."""
+    if kind != "export" or where.name != "merged" or where.parent != parent:
+        return False
+    owner = (_marker(parent) or {}).get("kind")
+    return owner == "ppo" or (owner is None and parent.name in _LEGACY_NAMES["ppo"])
+
+
+def check_output_dir(final: str | Path, kind: str | None = None, inputs: Inputs = ()) -> None:
+    """Raise unless rlhf's `kind` stage may replace `final`: it does not exist or is an empty directory, or it
+    holds that stage's own output (its marker names `kind`; a marker of an earlier version, which names no kind,
+    only in the stage's default directory, e.g. `sft` for sft). Always refused: another stage's output, a PPO
+    checkpoint, any folder without the marker, one of the command's `inputs` (or a folder holding one), and
+    anything inside another output (save export's `<ppo>/merged`). `kind=None` (tests, tools) replaces only
+    outputs whose marker names no kind. Reads only, changes nothing, so a refused run leaves the disk as it was."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r}; one of {', '.join(KINDS)}")  # a caller's mistake
     final = Path(final)
+    key = _key(kind)
     if final.is_symlink():
         raise RlhfError(f"{final} is a symbolic link and rlhf replaces its output directories; give the real "
                         "directory path, or choose a new output directory")
-    if not final.exists():
-        return
-    if not final.is_dir():
+    if final.exists() and not final.is_dir():
         raise RlhfError(f"{final} exists and is a file, not an output directory of rlhf; choose an empty or "
                         "new output directory, or delete it yourself")
-    if _is_marked(final) or _is_marked(final.parent) or not any(final.iterdir()):
+    where = final.resolve()
+    stage = f"`rlhf {kind}`" if kind in STAGE_KINDS else "this command"
+    for given in inputs:
+        if given is None or str(given) == "":
+            continue
+        inp = Path(str(given)).expanduser()
+        if not inp.exists():
+            continue
+        src = inp.resolve()
+        if src == where:
+            raise RlhfError(f"{final} is an input of {stage} (it holds {_holds(src)}); write the output "
+                            f"elsewhere: choose another {key}")
+        if where in src.parents:
+            raise RlhfError(f"{final} contains {inp}, an input of {stage}; write the output elsewhere: choose "
+                            f"another {key}")
+    if kind != "checkpoint":  # checkpoints are written by PPO into its own build directory, never by a user
+        for parent in where.parents:
+            if not _is_marked(parent):
+                continue
+            if _merged_of_ppo(kind, where, parent):
+                break
+            raise RlhfError(f"{final} is inside {_show(parent)}, which holds {_holds(parent)}; an output never "
+                            f"goes inside another one: choose another {key} outside it")
+    if not final.exists() or not any(final.iterdir()):
         return
-    raise RlhfError(f"{final} exists and was not written by rlhf (no {OUTPUT_MARKER} marker); choose an "
-                    "empty or new output directory, or delete it yourself")
+    marker = _marker(final)
+    if marker is None:
+        if _merged_of_ppo(kind, where, where.parent):
+            return  # ppo.merge=true wrote it as part of the PPO output
+        holds = _holds(final)
+        if holds.startswith("files"):
+            raise RlhfError(f"{final} exists and was not written by rlhf (no {OUTPUT_MARKER} marker); choose an "
+                            "empty or new output directory, or delete it yourself")
+        raise RlhfError(f"{final} holds {holds}, which rlhf never replaces; choose an empty or new {key}, or "
+                        "delete it yourself")
+    other = marker.get("kind")
+    if other == kind:
+        return
+    if other is None and (kind is None or final.name in _LEGACY_NAMES.get(kind, ())
+                          or (kind == "checkpoint" and final.name.startswith("checkpoint-"))):
+        return
+    who = {None: "a writer of no stage", "checkpoint": "a PPO checkpoint"}.get(kind, f"`rlhf {kind}`")
+    raise RlhfError(f"{final} holds {_holds(final)}; {who} replaces only its own output: choose another {key}, "
+                    "or delete it yourself")
+
+
+# --------------------------------------------------------------------------------------- one run per output
+@dataclass
+class _Hold:
+    fd: int
+    pid: int        # the process that took it (a forked child inherits the table, not the hold)
+    count: int = 1  # nested holds in this process (a block inside a claim, a rerun in one process)
+
+
+_held: dict[Path, _Hold] = {}   # lock file -> this process's hold
+_claims: set[Path] = set()      # holds that last until `publish` (claim_output)
+_atexit_armed = False
+
+
+def _lock_file(final: Path) -> Path:
+    return Path(os.path.abspath(final.parent / f".{final.name}.lock"))
+
+
+def _holder(fd: int) -> dict:
+    """The JSON body of an open lock file: who holds (or last held) it; {} when empty or unreadable."""
+    with contextlib.suppress(OSError, ValueError):
+        doc = json.loads(os.pread(fd, 65536, 0).decode("utf-8", "replace") or "{}")
+        if isinstance(doc, dict):
+            return doc
+    return {}
+
+
+def _pid_state(holder: dict) -> str:
+    """What can be told here of the process named in a lock file: ' (which has exited)', ' (on another host,
+    ...)' (a shared filesystem: its pid means nothing here), or ''."""
+    if holder.get("host") != socket.gethostname():
+        return " (on another host, which this one cannot check)"
+    with contextlib.suppress(TypeError, ValueError):
+        pid = int(holder.get("pid"))
+        if 0 < pid <= PID_MAX and not _pid_alive(pid):
+            return " (which has exited)"
+    return ""
+
+
+def _who(holder: dict) -> str:
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, `{holder.get('command', '?')}`, "
+            f"since {holder.get('since', '?')}")
+
+
+def _busy(final: Path, kind: str | None, lock: Path, fd: int) -> RlhfError:
+    """The one line for a second run: who holds the lock (the holder writes its name just after locking)."""
+    holder = {}
+    for _ in range(20):
+        holder = _holder(fd)
+        if holder:
+            break
+        time.sleep(0.05)
+    if not holder:
+        return RlhfError(f"{final} is in use by another run (it holds {lock}); wait for it to end, or choose "
+                         f"another {_key(kind)}")
+    state = _pid_state(holder)
+    if state == " (which has exited)":
+        state = " (which has exited, but a process it started still holds the lock)"
+    elif state:
+        state = " (on another host)"
+    return RlhfError(f"{final} is in use by another run: {_who(holder)}{state}; wait for it to end or stop it, or "
+                     f"choose another {_key(kind)}")
+
+
+def _acquire(final: Path, kind: str | None) -> Path:
+    """Take (or, held by this process already, re-enter) the run lock of `final`; its lock file's path."""
+    lock = _lock_file(final)
+    hold = _held.get(lock)
+    if hold is not None and hold.pid == os.getpid():
+        hold.count += 1
+        return lock
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RlhfError(f"cannot create the lock file {lock} ({e.strerror}); rlhf writes it beside "
+                            f"{final} while a run writes there: choose a writable {_key(kind)}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            err = _busy(final, kind, lock, fd)
+            os.close(fd)
+            raise err from None
+        except OSError as e:
+            os.close(fd)
+            raise RlhfError(f"cannot lock {lock} ({e.strerror}); rlhf locks an output so that two runs never "
+                            f"write into one: choose a {_key(kind)} on a local filesystem") from e
+        try:
+            same = os.path.samestat(os.stat(lock), os.fstat(fd))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder ended and removed the file between our open and lock: take the new one
+    previous = _holder(fd)
+    if previous:
+        log.warning("%s: taking over a stale lock %s left by %s%s; no process holds it any more", final,
+                    lock.name, _who(previous), _pid_state(previous))
+    body = {"pid": os.getpid(), "host": socket.gethostname(), "command": _command(), "since": _now(),
+            "output": str(final)}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(body) + "\n").encode("utf-8"), 0)
+    global _atexit_armed
+    if not _atexit_armed:
+        atexit.register(_release_all)  # an exception or Ctrl-C that ends the process; a kill leaves a stale file
+        _atexit_armed = True
+    _held[lock] = _Hold(fd, os.getpid())
+    return lock
+
+
+def _release(lock: Path, *, all_of_it: bool = False) -> None:
+    hold = _held.get(lock)
+    if hold is None or hold.pid != os.getpid():
+        return
+    hold.count = 0 if all_of_it else hold.count - 1
+    if hold.count > 0:
+        return
+    del _held[lock]
+    _claims.discard(lock)
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.stat(lock), os.fstat(hold.fd)):
+            os.unlink(lock)  # before the unlock: a run that opened it meanwhile sees it gone and opens anew
+    os.close(hold.fd)
+
+
+def _release_all() -> None:
+    for lock in list(_held):
+        _release(lock, all_of_it=True)
+
+
+@contextlib.contextmanager
+def output_lock(final: str | Path, kind: str | None = None) -> Iterator[None]:
+    """Hold the run lock of `final` for the block (atomic_dir takes it itself)."""
+    lock = _acquire(Path(final), kind)
+    try:
+        yield
+    finally:
+        _release(lock)
+
+
+def claim_output(final: str | Path, kind: str | None = None) -> None:
+    """Take the run lock of `final` and keep it until `publish` moves a directory into `final` (or fails), or
+    this process ends: for PPO, whose `.<name>.partial` build directory (covered by the same lock) lives across
+    the whole stage. Taking it again in the same process is a no-op."""
+    lock = _lock_file(Path(final))
+    if lock in _claims:
+        return
+    _acquire(Path(final), kind)
+    _claims.add(lock)
+
+
+def release_output(final: str | Path) -> None:
+    """Give back a claim taken with `claim_output` (nothing when there is none)."""
+    lock = _lock_file(Path(final))
+    if lock in _claims:
+        _claims.discard(lock)
+        _release(lock)
 
 
 # --------------------------------------------------------------------------------- leftovers of killed runs
@@ -141,43 +436,51 @@ def _clean_leftovers(final: Path, tag: str, keep: Path | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- publishing
-def publish(src: str | Path, final: str | Path) -> None:
-    """Move the finished directory `src` into place as `final` (a sibling on the same filesystem).
+def publish(src: str | Path, final: str | Path, kind: str | None = None, inputs: Inputs = ()) -> None:
+    """Move the finished directory `src` into place as `final` (a sibling on the same filesystem), marked as
+    the `kind` stage's output.
 
     The old output, if any, is renamed aside to `.<name>.old-<pid>`, `src` renamed to `final`, then the old
     one deleted; a crash between the renames leaves `.<name>.old-<pid>`, which the next run removes. Refuses
-    (RlhfError, nothing changed) when `final` holds something rlhf did not write. The main process alone calls
-    this."""
+    (RlhfError, nothing changed) what `check_output_dir(final, kind, inputs)` refuses. Gives back a claim on
+    `final` (claim_output) whether it succeeds or not. The main process alone calls this."""
     src, final = Path(src), Path(final)
-    check_output_dir(final)
-    tag = str(os.getpid())
-    _clean_leftovers(final, tag, keep=src)
-    _write_marker(src)
-    old = final.parent / f".{final.name}.old-{tag}"
-    if final.exists():
-        final.rename(old)
     try:
-        src.rename(final)
-    except BaseException:
-        if old.exists() and not final.exists():
-            old.rename(final)  # put the earlier output back
-        raise
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        check_output_dir(final, kind, inputs)
+        tag = str(os.getpid())
+        _clean_leftovers(final, tag, keep=src)
+        _write_marker(src, kind)
+        old = final.parent / f".{final.name}.old-{tag}"
+        if final.exists():
+            final.rename(old)
+        try:
+            src.rename(final)
+        except BaseException:
+            if old.exists() and not final.exists():
+                old.rename(final)  # put the earlier output back
+            raise
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        release_output(final)
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | Path, *, every_rank: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory that replaces `final` when the block succeeds.
+def atomic_dir(final: str | Path, kind: str | None = None, inputs: Inputs = (), *,
+               every_rank: bool = True) -> Iterator[Path]:
+    """Yield a temporary directory that replaces `final` when the block succeeds, marked as the `kind` stage's
+    output (sft, reward, ppo, eval, export, checkpoint).
 
     A failure (exception, Ctrl-C) removes the temporary directory and leaves an earlier `final` untouched.
-    An existing `final` that rlhf did not write is refused before anything is created (see check_output_dir);
-    temporary siblings of killed runs are removed. The swap itself is `publish`.
+    What `check_output_dir(final, kind, inputs)` refuses (`inputs`: the directories the command reads) is
+    refused before anything is created; then the run lock of `final` is taken for the block (a second run into
+    `final` is refused, naming this one) and temporary siblings of killed runs are removed. The swap itself is
+    `publish`. A checkpoint takes no lock of its own: the PPO run that writes it holds its build directory's.
 
     every_rank=True: all processes of a distributed run enter the block and get the same path; only the main
-    process creates and renames it (it alone should write into it), and the others wait at a barrier until the
-    output is in place. every_rank=False: only the calling process enters (e.g. a checkpoint that the main
-    process writes).
+    process checks, locks, creates and renames it (it alone should write into it), and the others wait at a
+    barrier until the output is in place. every_rank=False: only the calling process enters (e.g. a checkpoint
+    that the main process writes).
     """
     final = Path(final)
     rank, world = process_rank()
@@ -185,28 +488,36 @@ def atomic_dir(final: str | Path, *, every_rank: bool = True) -> Iterator[Path]:
     tag = _run_tag() if shared else str(os.getpid())
     owner = rank == 0 or not shared
     tmp = final.parent / f".{final.name}.tmp-{tag}"
+    lock = None
     if owner:
-        check_output_dir(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        _clean_leftovers(final, tag)  # includes a `tmp` left by a killed run with the same tag
-        tmp.mkdir()
-        _write_marker(tmp)  # written now too, so a leftover of this run names its process
+        check_output_dir(final, kind, inputs)
+        if kind != "checkpoint":
+            lock = _acquire(final, kind)
     try:
-        yield tmp
-    except BaseException:
         if owner:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if shared:
-        _barrier()  # every process has finished writing (collective saves included)
-    if owner:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _clean_leftovers(final, tag)  # includes a `tmp` left by a killed run with the same tag
+            tmp.mkdir()
+            _write_marker(tmp, kind)  # written now too, so a leftover of this run names its process
         try:
-            publish(tmp, final)
+            yield tmp
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if owner:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
-    if shared:
-        _barrier()  # nobody goes on before `final` is in place
+        if shared:
+            _barrier()  # every process has finished writing (collective saves included)
+        if owner:
+            try:
+                publish(tmp, final, kind, inputs)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        if shared:
+            _barrier()  # nobody goes on before `final` is in place
+    finally:
+        if lock is not None:
+            _release(lock)
 
 
 def write_json(path: str | Path, obj) -> None:

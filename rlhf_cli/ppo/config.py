@@ -23,7 +23,7 @@ NOT_FIELDS = frozenset({
     "output_dir", "policy_dir", "reward_dir", "value_init", "value_lora",
     "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",
     "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-    "rollout_forward_batch_size", "resume", "merge",
+    "rollout_forward_batch_size", "resume", "fresh", "merge",
 })
 # schema kind -> how a value is cast; list kinds become tuples of the item type
 _CAST = {"int": int, "float": float, "bool": bool, "text": str, "enum": str, "scheduler": str}

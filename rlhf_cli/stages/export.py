@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.io import atomic_dir
+from rlhf_cli.io import atomic_dir, check_output_dir
 from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
 
 log = logging.getLogger("rlhf")
@@ -21,10 +21,11 @@ def run(cfg) -> None:
         raise RlhfError(f"{ppo_dir} holds no LoRA adapter (adapter_config.json); a full fine-tune is already a "
                         "complete model")
     base_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
+    target = Path(cfg.export.output_dir or ppo_dir / "merged")
+    check_output_dir(target, "export", [ppo_dir, base_dir])  # before the model loads (atomic_dir checks again)
     model = load_policy(ppo_dir, resolve_precision(cfg)[0], cfg.model, base_dir=base_dir, merge=True)
     tok = load_tokenizer(ppo_dir, cfg.model)
-    target = Path(cfg.export.output_dir or ppo_dir / "merged")
-    with atomic_dir(target) as out:
+    with atomic_dir(target, "export", [ppo_dir, base_dir]) as out:
         model.save_pretrained(str(out))
         tok.save_pretrained(str(out))
     log.info("export: wrote the merged policy to %s", target)

@@ -92,7 +92,8 @@ def run(cfg) -> None:
     setup_torch(cfg)
     r = cfg.reward
     lr = float(r.learning_rate)
-    with atomic_dir(r.output_dir) as out:
+    inputs = [r.init_from, cfg.model.name_or_path, cfg.model.tiny.dir]  # never replaced by the output
+    with atomic_dir(r.output_dir, "reward", inputs) as out:
         trainer, init, train_rows, n_eval = build_trainer(cfg, out)
         tok = trainer.processing_class
         with training_console(trainer, "reward", lr):

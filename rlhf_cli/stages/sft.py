@@ -91,7 +91,7 @@ def run(cfg) -> None:
     setup_torch(cfg)
     s = cfg.sft
     lr = float(s.learning_rate)
-    with atomic_dir(s.output_dir) as out:
+    with atomic_dir(s.output_dir, "sft", [cfg.model.name_or_path, cfg.model.tiny.dir]) as out:
         trainer, base, n_train, n_eval = build_trainer(cfg, out)
         tok = trainer.processing_class
         with training_console(trainer, "sft", lr):
