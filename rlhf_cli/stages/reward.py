@@ -7,6 +7,8 @@ by the answer and EOS, so the score is read at the EOS token in both places.
 Writes `reward.output_dir`: the model (fp32) + tokenizer, score_stats.json (mean/std of its scores over training
 answers, for PPO's score normalisation), metrics.json (held-out accuracy and margin), TensorBoard events. A
 non-finite loss, gradient norm, eval metric, weight or score statistic stops the run and writes nothing.
+Checkpoints (every `reward.save_steps`) live in the hidden sibling `.<name>.partial` until the output is
+published; `reward.resume=true` continues an interrupted run from the latest.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
 from rlhf_cli.stages._common import (
+    Checkpoints,
     final_eval,
     require_examples,
     require_finite,
@@ -55,9 +58,10 @@ def score_texts(model, tok, texts: list[str], batch_size: int = 64) -> torch.Ten
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def build_trainer(cfg, out: Path):
-    """The stage's RewardTrainer writing into `out`, not yet trained, and (init model dir, train pairs, eval
-    pairs). Every weight is trained, so it loads in fp32 and computes under autocast (`training_precision`)."""
+def build_trainer(cfg, work: Path):
+    """The stage's RewardTrainer writing its checkpoints and TensorBoard events into `work`, not yet trained,
+    and (init model dir, train pairs, eval pairs). Every weight is trained, so it loads in fp32 and computes
+    under autocast (`training_precision`)."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
@@ -77,7 +81,7 @@ def build_trainer(cfg, out: Path):
 
     dtype, precision = training_precision(cfg)
     model = load_seq_cls(init, tok, dtype, cfg.model)
-    args = RewardConfig(**trainer_kwargs(r, cfg, out, precision, len(train_rows)),
+    args = RewardConfig(**trainer_kwargs(r, cfg, work, precision, len(train_rows)),
                         center_rewards_coefficient=r.center_rewards_coefficient, disable_dropout=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                             eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
@@ -93,12 +97,12 @@ def run(cfg) -> None:
     r = cfg.reward
     lr = float(r.learning_rate)
     inputs = [r.init_from, cfg.model.name_or_path, cfg.model.tiny.dir]  # never replaced by the output
-    with atomic_dir(r.output_dir, "reward", inputs) as out:
-        trainer, init, train_rows, n_eval = build_trainer(cfg, out)
+    with atomic_dir(r.output_dir, "reward", inputs) as out, Checkpoints.start(cfg, "reward") as ckpt:
+        trainer, init, train_rows, n_eval = build_trainer(cfg, ckpt.work)
         tok = trainer.processing_class
         with training_console(trainer, "reward", lr):
             t0 = time.perf_counter()
-            result = trainer.train()
+            result = ckpt.train(trainer)
             seconds = time.perf_counter() - t0
             ev = final_eval(trainer) if n_eval else {}
         step = result.global_step
@@ -115,12 +119,15 @@ def run(cfg) -> None:
         save_trained(trainer, model, tok, out, cfg.device)
         if trainer.is_world_process_zero():
             write_json(out / "score_stats.json", stats)
+            # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_accuracy": ev.get("eval_accuracy"), "eval_margin": ev.get("eval_margin"),
                        "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss,
                        "steps": step, "train_pairs": len(trainer.train_dataset),
                        "eval_pairs": n_eval, "train_seconds": round(seconds, 2), "init_from": str(init),
-                       "score_mean": stats["mean"], "score_std": stats["std"]}
+                       "score_mean": stats["mean"], "score_std": stats["std"], "resumed_from": ckpt.resumed_step}
             write_json(out / "metrics.json", metrics)
+            ckpt.finish(out)
+    ckpt.drop()
     acc, margin = ev.get("eval_accuracy"), ev.get("eval_margin")
     msg = (f"reward: held-out accuracy {acc:.3f}, margin {margin:.2f} on {n_eval} pairs"
            if acc is not None and not math.isnan(acc) else "reward: no eval split")

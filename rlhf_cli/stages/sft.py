@@ -3,6 +3,8 @@
 Writes `sft.output_dir`: a plain `AutoModelForCausalLM` directory in fp32 (the trained master weights; a LoRA
 adapter, if trained, is merged) with the tokenizer, TensorBoard events under tensorboard/, and metrics.json (eval
 loss before and after). A non-finite loss, gradient norm, eval loss or weight stops the run and writes nothing.
+Checkpoints (every `sft.save_steps`) live in the hidden sibling `.<name>.partial` until the output is published;
+`sft.resume=true` continues an interrupted run from the latest.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rlhf_cli.models import (
     setup_torch,
 )
 from rlhf_cli.stages._common import (
+    Checkpoints,
     final_eval,
     require_examples,
     require_finite_weights,
@@ -53,8 +56,9 @@ def sft_rows(examples: list[D.Example], on_rejected: bool, enable_thinking: bool
     return rows
 
 
-def build_trainer(cfg, out: Path):
-    """The stage's SFTTrainer writing into `out`, not yet trained, and (base model dir, train rows, eval rows).
+def build_trainer(cfg, work: Path):
+    """The stage's SFTTrainer writing its checkpoints and TensorBoard events into `work`, not yet trained, and
+    (base model dir, train rows, eval rows).
 
     Weights: a full fine-tune trains fp32 weights under autocast; with LoRA the frozen base is stored in
     `model.dtype` and the adapters in fp32 (`training_precision`)."""
@@ -76,7 +80,7 @@ def build_trainer(cfg, out: Path):
     lora = bool(s.lora.enabled)
     dtype, precision = training_precision(cfg, adapters=lora)
     model = load_causal_lm(base, dtype, cfg.model)
-    args = SFTConfig(**trainer_kwargs(s, cfg, out, precision, len(train_rows)),
+    args = SFTConfig(**trainer_kwargs(s, cfg, work, precision, len(train_rows)),
                      completion_only_loss=True, packing=False, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
@@ -91,13 +95,17 @@ def run(cfg) -> None:
     setup_torch(cfg)
     s = cfg.sft
     lr = float(s.learning_rate)
-    with atomic_dir(s.output_dir, "sft", [cfg.model.name_or_path, cfg.model.tiny.dir]) as out:
-        trainer, base, n_train, n_eval = build_trainer(cfg, out)
+    with (atomic_dir(s.output_dir, "sft", [cfg.model.name_or_path, cfg.model.tiny.dir]) as out,
+          Checkpoints.start(cfg, "sft") as ckpt):
+        trainer, base, n_train, n_eval = build_trainer(cfg, ckpt.work)
         tok = trainer.processing_class
         with training_console(trainer, "sft", lr):
-            start = trainer.evaluate()["eval_loss"] if n_eval else None
+            start = ckpt.remembered("eval_loss_start")  # a resumed run measured it before its first step
+            if ckpt.resume_from is None:
+                start = trainer.evaluate()["eval_loss"] if n_eval else None
+                ckpt.remember(eval_loss_start=start)
             t0 = time.perf_counter()
-            result = trainer.train()
+            result = ckpt.train(trainer)
             seconds = time.perf_counter() - t0
             end = final_eval(trainer)["eval_loss"] if n_eval else None
         model = trainer.model
@@ -107,10 +115,14 @@ def run(cfg) -> None:
             model = merge_lora(model.to(torch.float32))
         save_trained(trainer, model, tok, out, cfg.device)
         if trainer.is_world_process_zero():
+            # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
                        "steps": result.global_step, "train_rows": n_train, "eval_rows": n_eval,
-                       "train_seconds": round(seconds, 2), "base_model": str(base)}
+                       "train_seconds": round(seconds, 2), "base_model": str(base),
+                       "resumed_from": ckpt.resumed_step}
             write_json(out / "metrics.json", metrics)
+            ckpt.finish(out)
+    ckpt.drop()
     log.info("sft: eval loss %s -> %s in %d steps (%.1f s); wrote %s",
              f"{start:.3f}" if start is not None else "n/a", f"{end:.3f}" if end is not None else "n/a",
              result.global_step, seconds, s.output_dir)
