@@ -228,9 +228,9 @@ def to_examples(rows: list[dict], fmt: str, source: str, system_prompt: str | No
             ex.prompt = [{"role": "system", "content": system_prompt}, *ex.prompt]
         out.append(ex)
     if len(out) < len(rows):
-        log.warning("%s: dropped %d of %d rows with an empty prompt or answer", source, len(rows) - len(out), len(rows))
+        log.warning("%s: dropped %d of %d rows with an empty prompt", source, len(rows) - len(out), len(rows))
     if not out:
-        raise RlhfError(f"{source}: every row has an empty prompt or answer")
+        raise RlhfError(f"{source}: every row has an empty prompt")
     return out
 
 
@@ -246,15 +246,24 @@ def _check_field_types(row: dict, source: str, where: str) -> None:
 
 
 def _is_empty(ex: Example) -> bool:
-    """No prompt text, or an empty chosen (or rejected) answer: nothing to learn from."""
-    prompt = "".join(str(m.get("content") or "") for m in ex.prompt if isinstance(m, dict))
-    answers = [ex.chosen] + ([ex.rejected] if isinstance(ex.rejected, str) else [])
-    return not prompt.strip() or any(not a.strip() for a in answers)
+    """No prompt text: nothing to answer."""
+    return not "".join(str(m.get("content") or "") for m in ex.prompt if isinstance(m, dict)).strip()
+
+
+def drop_empty_answers(examples: list[Example], source: str, rejected: bool) -> list[Example]:
+    """Rows whose chosen answer (or, for pairs, rejected answer) is empty teach nothing: counted and dropped."""
+    keep = [ex for ex in examples if ex.chosen.strip() and not (rejected and not (ex.rejected or "").strip())]
+    if len(keep) < len(examples):
+        log.warning("%s: dropped %d of %d rows with an empty answer", source, len(examples) - len(keep),
+                    len(examples))
+    return keep
 
 
 # --------------------------------------------------------------------------------------------------- loading
-def load_examples(data_cfg, need_rejected: bool = True) -> tuple[list[Example], list[Example]]:
-    """Train and eval examples from `data.*`: eval from `eval_path`, else a seeded `eval_ratio` split."""
+def load_examples(data_cfg, need_rejected: bool = True,
+                  need_answers: bool = True) -> tuple[list[Example], list[Example]]:
+    """Train and eval examples from `data.*`: eval from `eval_path`, else a seeded `eval_ratio` split. Rows with
+    an empty answer are dropped where the stage trains on answers (`need_answers`; PPO reads prompts only)."""
     train = to_examples(read_rows(data_cfg.train_path, data_cfg.split), data_cfg.format,
                         str(data_cfg.train_path), data_cfg.system_prompt)
     if data_cfg.eval_path:
@@ -273,6 +282,9 @@ def load_examples(data_cfg, need_rejected: bool = True) -> tuple[list[Example], 
                                 "(question/chosen/rejected or prompt/chosen/rejected)")
         train = drop_ties(train, str(data_cfg.train_path))
         evals = drop_ties(evals, str(data_cfg.eval_path or data_cfg.train_path))
+    if need_answers:
+        train = drop_empty_answers(train, str(data_cfg.train_path), need_rejected)
+        evals = drop_empty_answers(evals, str(data_cfg.eval_path or data_cfg.train_path), need_rejected)
     if data_cfg.max_rows:
         train = train[: int(data_cfg.max_rows)]
     if not train:

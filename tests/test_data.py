@@ -284,15 +284,25 @@ def test_non_string_answers_are_rejected(tmp_path):
 
 
 def test_rows_with_empty_texts_are_counted_and_dropped(tmp_path, caplog):
+    """An empty prompt is dropped everywhere; an empty answer where a stage trains on answers (sft, reward), not
+    for PPO, whose prompt files may have no answers at all."""
     rows = [{"question": "q", "chosen": "a", "rejected": "b"}, {"question": " ", "chosen": "a", "rejected": "b"},
-            {"question": "q", "chosen": "", "rejected": "b"}, {"question": "q2", "chosen": "a", "rejected": "c"}]
+            {"question": "q3", "chosen": "", "rejected": "b"}, {"question": "q2", "chosen": "a", "rejected": "c"}]
     path = write_jsonl(tmp_path / "e.jsonl", rows)
     with caplog.at_level("WARNING", logger="rlhf"):
         exs = to_examples(read_rows(str(path)), "auto", str(path))
-    assert [e.prompt[-1]["content"] for e in exs] == ["q", "q2"]
-    assert f"{path}: dropped 2 of 4 rows with an empty prompt or answer" in caplog.text
-    empty = write_jsonl(tmp_path / "all.jsonl", rows[1:3])
-    with pytest.raises(RlhfError, match="every row has an empty prompt or answer"):
+    assert [e.prompt[-1]["content"] for e in exs] == ["q", "q3", "q2"]
+    assert f"{path}: dropped 1 of 4 rows with an empty prompt" in caplog.text
+    cfg = OmegaConf.create({"train_path": str(path), "eval_path": str(path), "split": "train", "format": "auto",
+                            "system_prompt": None, "max_rows": None, "eval_ratio": 0.0, "split_seed": 0})
+    with caplog.at_level("WARNING", logger="rlhf"):
+        train, _ = load_examples(cfg, need_rejected=True)
+    assert [e.prompt[-1]["content"] for e in train] == ["q", "q2"]
+    assert "dropped 1 of 3 rows with an empty answer" in caplog.text
+    prompts, _ = load_examples(cfg, need_rejected=False, need_answers=False)
+    assert len(prompts) == 3
+    empty = write_jsonl(tmp_path / "all.jsonl", rows[1:2])
+    with pytest.raises(RlhfError, match="every row has an empty prompt"):
         to_examples(read_rows(str(empty)), "auto", str(empty))
 
 

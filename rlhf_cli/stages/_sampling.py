@@ -10,7 +10,7 @@ from rlhf_cli.ppo.experience import Sampling
 
 def prompts(cfg, tok, split: str, limit: int | None = None) -> tuple[list[str], list]:
     """(rendered prompts, examples) of the train or eval split, over-long prompts dropped."""
-    train, evals = D.load_examples(cfg.data, need_rejected=False)
+    train, evals = D.load_examples(cfg.data, need_rejected=False, need_answers=False)
     examples = train if split == "train" else evals
     if split == "eval" and not examples:
         raise RlhfError("no held-out prompts: set data.eval_path or data.eval_ratio > 0")

@@ -163,7 +163,7 @@ def data_lengths(cfg) -> M.Lengths:
         if tok_dir is None:
             return M.Lengths(source=f"data not tokenized: {where}")
         tok = load_tokenizer(tok_dir, cfg.model)
-        train, evals = D.load_examples(d, need_rejected=False)
+        train, evals = D.load_examples(d, need_rejected=False, need_answers=False)
     except (RlhfError, OSError, ValueError) as e:  # a broken tokenizer directory or data file: report, go on
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         return M.Lengths(source=f"data not read: {first}")
