@@ -173,14 +173,41 @@ def resolve_model_source(name: str, hub: str = "modelscope", revision: str | Non
         if offline:
             raise RlhfError(f"{name} is not in the local {hub} cache and model.offline=true; download it once "
                             f"with network access, or set model.name_or_path to a local directory") from cached_err
+    other = "hf" if hub == "modelscope" else "modelscope"
+    why = unreachable(hub)
+    if why:  # the hub clients retry for half a minute before they give up: say it at once
+        raise RlhfError(f"{name} is not in the local {hub} cache and {why}; check the network (`rlhf doctor`), try "
+                        f"model.hub={other}, or set model.name_or_path to a local directory")
     log.info("downloading %s from %s", name, hub)
     try:
         return Path(fetch(name, revision, cache_dir, local_files_only=False))
     except Exception as e:  # noqa: BLE001 - network errors, unknown ids, auth: all one line for the user
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise RlhfError(f"could not get model '{name}' from {hub} ({type(e).__name__}: {first}); check the id and "
-                        f"the network, try model.hub={'hf' if hub == 'modelscope' else 'modelscope'}, "
+                        f"the network, try model.hub={other}, "
                         "or set model.name_or_path to a local directory") from e
+
+
+def hub_hosts() -> dict[str, tuple[str, int]]:
+    """(host, port) of each hub, as its client reaches it (MODELSCOPE_DOMAIN_URL, HF_ENDPOINT)."""
+    from urllib.parse import urlparse
+
+    hf = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    ms = urlparse(os.environ.get("MODELSCOPE_DOMAIN_URL") or "https://www.modelscope.cn")
+    return {"modelscope": (ms.hostname or "www.modelscope.cn", ms.port or 443),
+            "hf": (hf.hostname or "huggingface.co", hf.port or 443)}
+
+
+def unreachable(hub: str, timeout: float = 5.0) -> str | None:
+    """Why `hub` cannot be reached (name resolution and one TCP connection), or None when it answers."""
+    import socket
+
+    host, port = hub_hosts()[hub]
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{host} cannot be reached ({type(e).__name__}: {str(e) or 'no answer'})"
 
 
 def _modelscope_snapshot(name, revision, cache_dir, local_files_only):

@@ -275,3 +275,21 @@ def test_pickle_weights_are_never_loaded(base, tmp_path):
     w.unlink()
     with pytest.raises(RlhfError, match=r"pickled/pytorch_model.bin holds pickle weights, which rlhf never loads"):
         models.load_causal_lm(pk, torch.float32)
+
+
+@pytest.mark.parametrize("hub, var", [("modelscope", "MODELSCOPE_DOMAIN_URL"), ("hf", "HF_ENDPOINT")])
+def test_an_unreachable_hub_is_one_line_before_the_client_retries(tmp_path, monkeypatch, hub, var):
+    """Not cached, the network allowed, the hub not answering (a closed local port stands for it): one line
+    naming the host, without the hub client's half minute of retries."""
+    import socket
+
+    from rlhf_cli import models
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
+    assert "127.0.0.1 cannot be reached (ConnectionRefusedError" in models.unreachable(hub)
+    with pytest.raises(RlhfError, match=rf"Org/Missing is not in the local {hub} cache and 127.0.0.1 cannot be "
+                                        r"reached .*check the network \(`rlhf doctor`\)"):
+        resolve_model_source("Org/Missing", hub=hub, cache_dir=str(tmp_path), offline=False)

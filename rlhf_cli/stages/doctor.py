@@ -18,7 +18,6 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from urllib.parse import urlparse
 
 from rlhf_cli import memory as M
 from rlhf_cli.errors import RlhfError
@@ -68,10 +67,10 @@ def devices() -> dict:
 
 
 def _hosts() -> dict[str, tuple[str, int]]:
-    hf = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    ms = urlparse(os.environ.get("MODELSCOPE_DOMAIN_URL") or "https://www.modelscope.cn")
-    return {"ModelScope": (ms.hostname or "www.modelscope.cn", ms.port or 443),
-            "Hugging Face hub": (hf.hostname or "huggingface.co", hf.port or 443)}
+    from rlhf_cli.models import hub_hosts
+
+    hosts = hub_hosts()
+    return {"ModelScope": hosts["modelscope"], "Hugging Face hub": hosts["hf"]}
 
 
 def reachability(timeout: float = 2.0) -> dict[str, str]:
