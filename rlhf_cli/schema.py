@@ -19,6 +19,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -228,8 +229,10 @@ SCHEMA: dict[str, Rule] = {
     "ppo.policy_dir": text(),
     "ppo.reward_dir": text(),
     "ppo.value_init": text(help="reward | sft | base | a model directory"),
-    "ppo.reward": Rule("sources", choices=(REWARD_MODEL,), help="summed; functions loaded by rlhf_cli.ppo.rewards"),
+    "ppo.reward": Rule("sources", choices=(REWARD_MODEL,), help="summed; functions, servers: rlhf_cli.ppo.rewards"),
     "ppo.reward_weights": Rule("number_list", nullable=True, help="one per source (PPOConfig.check); null: 1 each"),
+    "ppo.reward_timeout_s": number(gt=0, help="seconds a reward server may take to answer one batch"),
+    "ppo.reward_retries": whole(0, help="tries after a reward server's first failed one, with exponential backoff"),
     "ppo.advantage": one_of(*ADVANTAGES),
     "ppo.samples_per_prompt": count(help="responses per prompt; ≥ 2 for grpo / rloo, divides the batch "
                                     "(PPOConfig.check)"),
@@ -480,7 +483,11 @@ def check_value(key: str, value, rule: Rule) -> str | None:
         names = [value] if isinstance(value, str) else value
         if not isinstance(names, list) or not names:
             return f"{shown} is not a list of reward sources; use {allowed}"
-        bad = [v for v in names if not (isinstance(v, str) and (v in rule.choices or _function_ref(v)))]
+        url_errors = [server_url_error(key, v) for v in names if isinstance(v, str) and is_server_url(v)]
+        if any(url_errors):
+            return next(e for e in url_errors if e)
+        bad = [v for v in names if not (isinstance(v, str) and (v in rule.choices or is_server_url(v)
+                                                                or _function_ref(v)))]
         return f"{key}: {_show(bad[0])} is not a reward source; use {allowed}" if bad else None
     if rule.kind == "number_list":
         if not isinstance(value, list) or not value or not all(_is_number(v) and math.isfinite(v) for v in value):
@@ -523,8 +530,8 @@ def describe(rule: Rule) -> str:
         names = [_show(c) for c in rule.choices] + (["null"] if rule.nullable else [])
         return f"{' or '.join(names)}, or a function as module:function or /path/file.py:function"
     elif rule.kind == "sources":
-        text_ = (f"a list of {', '.join(rule.choices)} and functions (module:function or /path/file.py:function), "
-                 f"e.g. [model] or [rlhf_cli.demo:polite_reward]")
+        text_ = (f"a list of {', '.join(rule.choices)}, functions (module:function or /path/file.py:function) and "
+                 f"reward server URLs (http(s)://host:port/path), e.g. [model] or [rlhf_cli.demo:polite_reward]")
     elif rule.kind == "number_list":
         text_ = "a list of numbers, e.g. [1.0, 0.5]"
     else:
@@ -563,6 +570,27 @@ def _function_ref(v: str) -> bool:
         return False
     is_file = target.endswith(".py") or "/" in target or "\\" in target
     return is_file or bool(re.fullmatch(rf"{ident}(\.{ident})*", target))
+
+
+def is_server_url(v: str) -> bool:
+    """A `ppo.reward` entry that names a reward server rather than a function (rlhf_cli.ppo.rewards.RemoteReward)."""
+    return v[:8].lower().startswith(("http://", "https://"))
+
+
+def server_url_error(key: str, v: str) -> str | None:
+    """None if `v` is a usable http(s) URL (a host, a port in range if given, no spaces), else one line saying
+    what is wrong with it."""
+    if any(ch.isspace() for ch in v):
+        problem = "it contains a space"
+    else:
+        try:
+            parts = urlsplit(v)
+            port = parts.port
+        except ValueError as e:  # a port that is not a number or out of range
+            problem = str(e)
+        else:
+            problem = "no host" if not parts.hostname else "port 0" if port == 0 else None
+    return f"{key}: {v} is not a reward server URL ({problem}); use http(s)://host[:port]/path" if problem else None
 
 
 def _is_number(v) -> bool:

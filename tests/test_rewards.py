@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -228,6 +229,7 @@ def test_eval_reports_a_ground_truth_function_on_other_data(tmp_path, monkeypatc
     """data.ground_truth=<file>:<function> on a data file that is not the demo's: `rlhf eval`'s report has the
     ground-truth rate, the RM score on failures and the RM/ground-truth disagreement for every policy."""
     from omegaconf import OmegaConf
+    from transformers import AutoModelForSequenceClassification
 
     from rlhf_cli.config import compose
     from rlhf_cli.stages import eval as eval_stage
@@ -235,6 +237,8 @@ def test_eval_reports_a_ground_truth_function_on_other_data(tmp_path, monkeypatc
 
     base = build_tiny_base(tmp_path / "base", vocab_size=600, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    rm = shutil.copytree(base, tmp_path / "rm")  # a reward model must be a sequence classifier: the base with a head
+    AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(rm)
     data = tmp_path / "cooking.jsonl"
     rows = [{"prompt": f"How long do I boil {food}?", "completion": f"Boil the {food} for {i} minutes."}
             for i, food in enumerate(["rice", "pasta", "eggs", "potatoes", "rice noodles", "beans"] * 2)]
@@ -242,7 +246,7 @@ def test_eval_reports_a_ground_truth_function_on_other_data(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     cfg = compose("eval", ["data=file", f"data.train_path={data}", f"data.eval_path={data}",
                            f"data.ground_truth={Path(__file__).resolve()}:mentions_rice",
-                           f"ppo.policy_dir={base}", f"eval.reward_dir={base}", "~eval.policies.ppo",
+                           f"ppo.policy_dir={base}", f"eval.reward_dir={rm}", "~eval.policies.ppo",
                            f"eval.output_dir={tmp_path / 'eval'}", "eval.num_prompts=12", "eval.batch_size=6",
                            "eval.response_length=8", "device.threads=1"])
     OmegaConf.update(cfg, "eval.policies", {"sft": str(base), "again": str(base)}, merge=False)

@@ -1,4 +1,5 @@
-"""Rewards and ground truth written as Python functions: `ppo.reward` entries and `data.ground_truth`.
+"""Rewards and ground truth written as Python functions or served over HTTP: `ppo.reward` entries and
+`data.ground_truth`.
 
 A function is named as `module:function` (an importable module, e.g. `rlhf_cli.demo:polite_reward`) or
 `/path/file.py:function` (a file, relative to the working directory or absolute). It is loaded once, before any
@@ -11,6 +12,9 @@ parameters (all of it with ``**kwargs``): `prompt_ids` / `response_ids` (lists o
 response's ids end with its stop token when it has one), `truncated` (bools: cut at ppo.response_length
 without a stop token), and every extra field of the data rows by its name (e.g. a reference `answer`).
 
+Reward server (`ppo.reward` entry `http://host:port/path` or https): `RemoteReward`, one JSON POST per batch with
+the same inputs, `{"rewards": [...]}` back; OpenRLHF's remote reward servers work as they are.
+
 Ground truth (`data.ground_truth`): called once per response as ``fn(response, **wanted)`` with `prompt` and the
 row's extra fields on request; returns a bool, or a number in [0, 1] (partial credit). `demo_polite` is the
 shipped demo's checker, `rlhf_cli.demo:is_polite`.
@@ -18,20 +22,31 @@ shipped demo's checker, `rlhf_cli.demo:is_polite`.
 
 from __future__ import annotations
 
+import http.client
 import importlib
 import importlib.util
 import inspect
+import json
+import logging
 import math
 import re
+import socket
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
 from rlhf_cli.choices import GROUND_TRUTH_SPECS
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.schema import is_server_url, server_url_error
+
+log = logging.getLogger("rlhf")
 
 BUILTIN_GROUND_TRUTH = GROUND_TRUTH_SPECS
 REWARD_INPUTS = ("prompt_ids", "response_ids", "truncated")  # besides prompts and responses, and the data's fields
@@ -149,7 +164,12 @@ class RewardFunction:
         return self.spec.rpartition(":")[2]
 
     @classmethod
-    def load(cls, spec: str, extra_fields: set[str] = frozenset(), key: str = "ppo.reward") -> RewardFunction:
+    def load(cls, spec: str, extra_fields: set[str] = frozenset(), key: str = "ppo.reward", *,
+             timeout_s: float = 60.0, retries: int = 3) -> RewardFunction | RemoteReward:
+        """The function `spec` names, or for an http(s) URL the `RemoteReward` asking that server (`timeout_s`
+        and `retries` are its ppo.reward_timeout_s and ppo.reward_retries): both are called the same way."""
+        if is_server_url(spec):
+            return RemoteReward.load(spec, key, timeout_s=timeout_s, retries=retries)
         fn = load_function(spec, key)
         wanted = _wanted(fn, spec, key, 2, set(REWARD_INPUTS) | set(extra_fields))
         return cls(spec, fn, None if wanted is None else frozenset(wanted))
@@ -178,6 +198,164 @@ class RewardFunction:
         return [_number(v, i, what) for i, v in enumerate(out)]
 
 
+# ---------------------------------------------------------------------------------------------- reward servers
+class _TryFailed(Exception):
+    """One failed POST: what went wrong, what to do about it, and whether another try can help."""
+
+    def __init__(self, reason: str, fix: str, retry: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.fix, self.retry = reason, fix, retry
+
+
+FORMAT_FIX = 'the server must answer {"rewards": [one finite number per response]} or a bare list of them'
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class RemoteReward:
+    """One `ppo.reward` URL: a reward server, asked with one JSON POST per scoring step.
+
+    Request body, one entry per response in every list:
+      prompts, responses           the rendered prompt texts (chat template included), the decoded responses
+      query                        prompt + response, concatenated
+      labels                       each row's `label` field, else its `answer`, else ""
+      rows                         each data row's extra fields, as a dict
+      prompt_ids, response_ids, truncated   as a reward function gets them
+    `query`, `prompts` and `labels` are OpenRLHF's remote reward format (openrlhf/utils/remote_rm_utils.py):
+    its `serve_rm` reads `query` only, custom OpenRLHF servers `query`, `prompts` and `labels`.
+    Answer: `{"rewards": [...]}` (OpenRLHF's; other keys are ignored) or a bare list, one finite number per
+    response, used as returned. A failed try is repeated up to `retries` times, `backoff_s` · 2^k apart; a 4xx
+    answer other than 408 / 429 is not (the URL or the request is wrong). Then one RlhfError line names the URL,
+    the last error and what to do. The test's server (tests/test_reward_server.py) is a minimal example.
+    """
+
+    url: str
+    timeout_s: float = 60.0       # per try: connecting, and each wait for the server's bytes
+    retries: int = 3              # tries after the first
+    backoff_s: float = 1.0        # wait before the first retry; doubled each time, at most MAX_BACKOFF_S
+
+    @property
+    def spec(self) -> str:
+        return self.url
+
+    @property
+    def name(self) -> str:
+        """`http_127_0_0_1_8000_score`: scheme, host, port and path, fit for a metric name."""
+        parts = urlsplit(self.url)
+        return re.sub(r"[^A-Za-z0-9]+", "_", f"{parts.scheme}_{parts.netloc}{parts.path}").strip("_").lower()
+
+    @classmethod
+    def load(cls, url: str, key: str = "ppo.reward", *, timeout_s: float = 60.0, retries: int = 3) -> RemoteReward:
+        """Checks the URL's shape only: the server is first asked at the first scoring step."""
+        problem = server_url_error(key, url)
+        if problem:
+            raise RlhfError(problem)
+        return cls(url, float(timeout_s), int(retries))
+
+    def body(self, prompts: list[str], responses: list[str], **inputs) -> dict:
+        """The request for one batch; `inputs` as `reward_inputs` gives them (the data's fields as lists)."""
+        fields = [k for k in inputs if k not in REWARD_INPUTS]
+        rows = [{k: inputs[k][i] for k in fields} for i in range(len(responses))]
+        body = {"prompts": list(prompts), "responses": list(responses),
+                "query": [p + r for p, r in zip(prompts, responses)],
+                "labels": [_label(row) for row in rows], "rows": rows}
+        body.update({k: inputs[k] for k in REWARD_INPUTS if k in inputs})
+        return body
+
+    def __call__(self, prompts: list[str], responses: list[str], **inputs) -> list[float]:
+        """One finite reward per response, from the server; or an RlhfError line naming the URL."""
+        data = json.dumps(self.body(prompts, responses, **inputs), default=_jsonable).encode("utf-8")
+        tries, start = self.retries + 1, time.monotonic()
+        for k in range(tries):
+            try:
+                return self._post(data, len(responses))
+            except _TryFailed as e:
+                failed = e
+                if not e.retry or k == tries - 1:
+                    break
+                wait = min(self.backoff_s * 2 ** k, MAX_BACKOFF_S)
+                log.warning("ppo.reward server %s: try %d of %d failed (%s); trying again in %g s", self.url,
+                            k + 1, tries, e.reason, wait)
+                time.sleep(wait)
+        took = f"after {k + 1} tries in {time.monotonic() - start:.1f} s" if k else "at its first try"
+        raise RlhfError(f"ppo.reward server {self.url} failed {took}: {failed.reason}; {failed.fix}")
+
+    def _post(self, data: bytes, n: int) -> list[float]:
+        """One try: POST `data`, read `n` rewards, or raise `_TryFailed`."""
+        wait_fix = (f"make the server answer a batch faster, or raise ppo.reward_timeout_s (now {self.timeout_s:g}) "
+                    "or ppo.reward_retries")
+        request = urllib.request.Request(self.url, data=data, method="POST",
+                                         headers={"Content-Type": "application/json", "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                raw = reply.read()
+        except urllib.error.HTTPError as e:
+            detail = _one_line(e.read().decode("utf-8", "replace"), 160)
+            reason = f"HTTP {e.code} {e.reason}" + (f" ({detail})" if detail else "")
+            if e.code >= 500 or e.code in (408, 429):
+                raise _TryFailed(reason, "see the server's log") from None
+            fix = "check the URL's path" if e.code in (404, 405) else \
+                "the server refused the request: see its log (the request is RemoteReward's in rlhf_cli.ppo.rewards)"
+            raise _TryFailed(reason, fix, retry=False) from None
+        except TimeoutError:  # while reading the answer
+            raise _TryFailed(f"no answer within {self.timeout_s:g} s", wait_fix) from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):
+                raise _TryFailed(f"no answer within {self.timeout_s:g} s", wait_fix) from None
+            if isinstance(e.reason, ConnectionRefusedError):
+                raise _TryFailed("connection refused", "start the server, or fix the host and port in ppo.reward") \
+                    from None
+            if isinstance(e.reason, socket.gaierror):
+                raise _TryFailed(f"unknown host ({_one_line(e.reason)})", "fix the host in ppo.reward") from None
+            raise _TryFailed(_one_line(e.reason), "check that the server is running and reachable") from None
+        except (OSError, http.client.HTTPException) as e:  # reset or closed connections, broken HTTP answers
+            raise _TryFailed(f"connection broken ({_one_line(e) or type(e).__name__})", "see the server's log") \
+                from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise _TryFailed(f"malformed JSON ({_one_line(raw.decode('utf-8', 'replace'), 80) or 'empty'})",
+                             FORMAT_FIX) from None
+        return _server_rewards(answer, n)
+
+
+def _server_rewards(answer, n: int) -> list[float]:
+    """The rewards of a server's decoded answer: `{"rewards": [...]}` or a bare list, `n` finite numbers."""
+    if isinstance(answer, dict):
+        if "rewards" not in answer:
+            raise _TryFailed(f"an answer without \"rewards\" (keys: {', '.join(map(str, answer)) or 'none'})",
+                             FORMAT_FIX)
+        answer = answer["rewards"]
+    if not isinstance(answer, list):
+        raise _TryFailed(f"rewards that are a {type(answer).__name__}, not a list", FORMAT_FIX)
+    if len(answer) != n:
+        raise _TryFailed(f"{len(answer)} rewards for {n} responses", FORMAT_FIX)
+    for i, v in enumerate(answer):
+        if v is None:
+            raise _TryFailed(f"no reward (null) for response {i}", FORMAT_FIX)
+        if not isinstance(v, (int, float)):
+            raise _TryFailed(f"a reward that is not a number ({_one_line(json.dumps(v), 40)}) for response {i}",
+                             FORMAT_FIX)
+        if not math.isfinite(v):
+            raise _TryFailed(f"a non-finite reward ({v}) for response {i}", FORMAT_FIX)
+    return [float(v) for v in answer]
+
+
+def _label(row: dict) -> str:
+    """OpenRLHF's `labels` entry of a row: its `label`, else its `answer` field, as text ("" without either)."""
+    v = row.get("label") if row.get("label") is not None else row.get("answer")
+    return "" if v is None else v if isinstance(v, str) else json.dumps(v, default=_jsonable)
+
+
+def _jsonable(v):
+    """A data field JSON cannot write as it is: numpy values as numbers and lists, anything else as text."""
+    return v.tolist() if hasattr(v, "tolist") else str(v)
+
+
+def _one_line(v, limit: int = 200) -> str:
+    return " ".join(str(v).split())[:limit]
+
+
 def reward_inputs(exp, rows: list[dict]) -> dict:
     """What a reward function may ask for, from an `Experience` and the data rows' extra fields (one dict per
     row): prompt_ids, response_ids, truncated, and each extra field as a list."""
@@ -194,10 +372,14 @@ def reward_inputs(exp, rows: list[dict]) -> dict:
 
 
 def source_names(specs: tuple[str, ...]) -> list[str]:
-    """Metric names of the reward sources (`reward/<name>`): "model", and each function's name (made unique)."""
+    """Metric names of the reward sources (`reward/<name>`): "model", each function's name and each server's
+    (`http_127_0_0_1_8000_score`), made unique."""
     names = []
     for spec in specs:
-        base = spec if ":" not in spec else spec.rpartition(":")[2]
+        if is_server_url(spec):
+            base = RemoteReward(spec).name
+        else:
+            base = spec if ":" not in spec else spec.rpartition(":")[2]
         name, k = base, 2
         while name in names:
             name, k = f"{base}_{k}", k + 1

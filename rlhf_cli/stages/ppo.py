@@ -51,7 +51,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     prompts, examples = _sampling.prompts(cfg, tok, "train")
     rows = _sampling.rows(examples)
     extra = {k for r in rows for k in r}
-    functions = {spec: RewardFunction.load(spec, extra) for spec in c.reward if spec != REWARD_MODEL}
+    functions = {spec: RewardFunction.load(spec, extra, timeout_s=p.reward_timeout_s, retries=p.reward_retries)
+                 for spec in c.reward if spec != REWARD_MODEL}  # a URL: a reward server (RemoteReward)
     gt = _sampling.ground_truth(cfg, examples)
 
     # ---- models, sampling, the run directory, the trainer
