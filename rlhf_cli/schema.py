@@ -282,6 +282,10 @@ SCHEMA: dict[str, Rule] = {
     "ppo.logging_steps": count(),
     "ppo.sample_every": whole(0, help="0: never"),
     "ppo.save_every": whole(0, help="0: only at the end"),
+    "ppo.eval_every": whole(0, help="updates between evaluations on held-out prompts (eval/* metrics), and after "
+                            "the last; 0: never"),
+    "ppo.keep_best": text(null=True, help="an eval/* metric (eval/ground_truth_rate, eval/rm_score; -eval/kl: "
+                          "lowest): its best update's adapter and value model are kept in <output_dir>/best"),
     "ppo.resume": one_of(True, False, "force", help="force: continue although the run config that shapes the "
                          "run changed (rlhf_cli.ppo.checkpoint.compare_run_config)"),
     "ppo.fresh": flag(help="delete an interrupted run (its checkpoints) and start over"),

@@ -81,6 +81,8 @@ class PPOConfig:
     logging_steps: int
     sample_every: int
     save_every: int
+    eval_every: int                     # updates between held-out evaluations (rlhf_cli.ppo.evaluation); 0: none
+    keep_best: str | None               # the eval/* metric whose best update's adapter is kept in best/
 
     @classmethod
     def from_cfg(cls, p) -> PPOConfig:

@@ -6,10 +6,11 @@
                                   value model, GAE, whitened), grpo / rloo (the n responses to a prompt compared),
                                   reinforce_pp (reward-to-go, whitened over the batch)
     step 5.   update              PPO epochs over shuffled mini-batches, micro-batches with gradient accumulation
-    step 6.   log / save          metrics, sample table, checkpoint
+    step 6.   log / save          metrics, sample table, checkpoint; every `ppo.eval_every` updates the
+                                  evaluator's held-out `eval/*` metrics, the best update's adapter in best/
 
 The trainer does no config parsing and no printing of its own: the CLI stage builds it (models, prompts,
-`PPOConfig`, `PPOSizes`), and the benchmark and the stage observe it through `Hooks`.
+`PPOConfig`, `PPOSizes`, the `evaluation.Evaluator`), and the benchmark and the stage observe it through `Hooks`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.ppo import checkpoint, core, rewards
+from rlhf_cli.ppo import checkpoint, core, evaluation, rewards
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
 from rlhf_cli.ppo.forward import leading_padding, padding_counts, policy_logits
@@ -114,9 +115,12 @@ class PPOTrainer:
     def __init__(self, c: PPOConfig, sizes, models: PPOModels, tok, stream: PromptStream, sampling: Sampling,
                  accelerator, work_dir: Path, compute_dtype: torch.dtype | None = None,
                  ground_truth: rewards.GroundTruth | Callable[[str], bool] | None = None, writer=None,
-                 hooks: Hooks | None = None, reward_functions: dict[str, Callable] | None = None):
+                 hooks: Hooks | None = None, reward_functions: dict[str, Callable] | None = None,
+                 evaluator: Callable[[PPOTrainer], dict[str, float]] | None = None):
         """`reward_functions`: the loaded `ppo.reward` functions by their spec (loaded here when not given);
-        `ground_truth`: a `rewards.GroundTruth`, or a plain function of one response text."""
+        `ground_truth`: a `rewards.GroundTruth`, or a plain function of one response text; `evaluator`: called
+        with the trainer every `ppo.eval_every` updates and after the last, returns `eval/*` metrics (an
+        `evaluation.Evaluator`; every process calls it and must get the same numbers); None: no evaluation."""
         from transformers import get_scheduler
 
         c.check(sizes.local_batch_size)
@@ -165,6 +169,11 @@ class PPOTrainer:
         self.kl_ctl = (core.AdaptiveKLController(c.kl_coef, c.adaptive_kl_target, c.kl_horizon) if c.adaptive_kl
                        else core.FixedKLController(c.kl_coef))
         self.progress = Progress()
+        self.evaluator = evaluator if c.eval_every else None  # none given: no evaluation
+        self.keep = evaluation.keep_best_metric(c.keep_best, c.eval_every)  # (metric, sign) or None
+        if self.keep is not None and self.evaluator is None:
+            raise RlhfError(f"ppo.keep_best={c.keep_best} but the trainer was given no evaluator")
+        self.best: dict | None = None  # best.json of best/: the update kept, its metric and value
 
     # ------------------------------------------------------------------------------------------ helpers
     def trainable(self) -> list[torch.Tensor]:
@@ -541,6 +550,12 @@ class PPOTrainer:
         consumed = st["prompts_consumed"]
         self.stream.consumed = consumed[self.rank] if self.rank < len(consumed) else consumed[0]
         checkpoint.set_rng_state(*st["rng"])
+        # best/ of the interrupted run stays the best so far, also when written after the checkpoint resumed
+        # from: it is an update this run trained and evaluated. Another metric than this run's starts over.
+        name, sign = self.keep or (None, 0.0)
+        best = evaluation.read_best(self.work / "best") if name else None
+        if best and (best.get("metric"), best.get("higher_is_better")) == (name, sign > 0):
+            self.best = best
 
     def _continue_with(self, fresh: list[dict]) -> None:
         """This run's optimizer hyper-parameters (`fresh`, one dict per group) instead of the checkpoint's, and
@@ -576,16 +591,41 @@ class PPOTrainer:
             metrics.update({"lr": self.scheduler.get_last_lr()[0], "kl_coef": float(self.kl_ctl.value),
                             "eps": sz.batch_size / elapsed, "time/rollout_s": t_gen, "time/update_s": elapsed,
                             "time/train_s": t_train, "episodes": self.progress.episodes, **exp.extras})
+            evaluated = self.evaluator is not None and (update % c.eval_every == 0 or update == sz.num_updates)
+            if evaluated:                                          # held-out prompts (not counted in eps)
+                t2 = clock()
+                metrics.update(self.evaluator(self))
+                metrics["time/eval_s"] = clock() - t2
             if self.device.type == "cuda":
                 metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             self.progress.metrics = metrics
             self.kl_ctl.update(metrics["objective/kl"], sz.batch_size)
+            if evaluated and self.keep is not None:
+                self.keep_if_best(metrics)
             self.log(exp, metrics)
             self.hooks.on_update(update, metrics)
             if update == sz.num_updates or (c.save_every and update % c.save_every == 0):
                 self.check_finite_weights()  # a checkpoint never holds what a NaN step left behind
                 self.save()
         return self.progress.metrics
+
+    def keep_if_best(self, metrics: dict[str, float]) -> None:
+        """`ppo.keep_best`: when this update's evaluation beats the best so far (ties keep the earlier one), its
+        adapter and value model replace `best/` in the run directory, published with the final ones."""
+        name, sign = self.keep
+        if name not in metrics:
+            evaluated = ", ".join(k for k in metrics if k.startswith("eval/"))
+            raise RlhfError(f"ppo.keep_best={self.c.keep_best}: the evaluation gave no {name} (it gave {evaluated})")
+        if not evaluation.is_better(metrics[name], self.best, sign):
+            return
+        self.check_finite_weights()
+        self.best = {"update": self.progress.update, "episodes": self.progress.episodes, "metric": name,
+                     "value": metrics[name], "higher_is_better": sign > 0,
+                     "eval": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
+        if self.acc.is_main_process:
+            evaluation.write_best(self.work / "best", self.unwrapped, self.value_model(), self.tok, self.best,
+                                  root=self.work.parent)
+        self.acc.wait_for_everyone()
 
     def check_finite_weights(self) -> None:
         """Nothing non-finite is published."""

@@ -8,7 +8,8 @@ the ground truth disagree (reward hacking shows up there first). Without a rewar
 functions alone) the report has everything else.
 
 Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
-ground-truth verdict) and training_curves.png (from the PPO TensorBoard events).
+ground-truth verdict) and training_curves.png (from the PPO TensorBoard events). What one policy is measured
+by is `rlhf_cli.ppo.evaluation`, which `rlhf ppo` runs every `ppo.eval_every` updates too (its `eval/*` curves).
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from rlhf_cli.models import (
     same_vocab,
     setup_torch,
 )
-from rlhf_cli.ppo import core
-from rlhf_cli.ppo.experience import Sampling, make_experience
+from rlhf_cli.ppo.evaluation import mean, sample_and_score, summarise
 from rlhf_cli.ppo.forward import TokenValueModel
 from rlhf_cli.stages import _sampling
 
@@ -45,57 +45,9 @@ CURVES = [("objective/scores", "score (ppo.reward)"), ("objective/ground_truth_r
           ("response/length_mean", "response length (tokens)"), ("loss/value_avg", "value loss")]
 
 
-@torch.no_grad()
-def sample_and_score(policy, ref, rm, tok, prompts: list[str], s: Sampling, device, seed: int, autocast,
-                     progress=None) -> dict:
-    """Responses of `policy` to `prompts` through PPO's own sampling path, with their RM score (None without a
-    reward model) and KL to `ref`."""
-    torch.manual_seed(seed)
-    out = {"texts": [], "rm_score": [], "kl": [], "length": [], "eos": [], "empty": []}
-    for i in range(0, len(prompts), s.forward_batch_size):
-        with autocast():
-            exp = make_experience(prompts[i: i + s.forward_batch_size], tok, policy, s, ref_model=ref,
-                                  reward_model=rm, device=device)
-        out["texts"] += exp.texts
-        out["rm_score"] += exp.rm_scores.tolist() if exp.rm_scores is not None else [None] * len(exp.texts)
-        out["kl"] += core.masked_sum(exp.logprobs - exp.ref_logprobs, exp.response_mask, dim=-1).tolist()
-        out["length"] += exp.response_mask.sum(-1).tolist()
-        out["eos"] += exp.has_stop.tolist()
-        out["empty"] += exp.empty.tolist()
-        if progress is not None:
-            progress.update(len(exp.texts))
-    return out
-
-
-def _mean(xs) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
-
-
-def summarise(s: dict) -> dict:
-    """One policy's row. With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5):
-    its mean, the RM score on passing and failing responses, and how often the RM and the checker disagree."""
-    scored = all(r is not None for r in s["rm_score"])
-    row = {"rm_score_mean": _mean(s["rm_score"]) if scored else None, "kl_to_ref_mean": _mean(s["kl"]),
-           "response_length_mean": _mean(s["length"]), "eos_rate": _mean([float(x) for x in s["eos"]]),
-           "empty_rate": _mean([float(x) for x in s["empty"]]), "ground_truth_rate": None}
-    if s.get("ground_truth") is not None:
-        row["ground_truth_rate"] = _mean([float(x) for x in s["ground_truth"]])
-        if not scored:
-            return row
-        ok = [x >= 0.5 for x in s["ground_truth"]]
-        bad = [r for r, g in zip(s["rm_score"], ok) if not g]
-        good = [r for r, g in zip(s["rm_score"], ok) if g]
-        # reward hacking: responses the checker rejects but the RM scores like the ones it accepts
-        row["rm_score_mean_on_gt_fail"] = _mean(bad) if bad else None
-        row["rm_score_mean_on_gt_pass"] = _mean(good) if good else None
-        threshold = _mean(good) if good else 0.0
-        row["rm_gt_disagreement"] = _mean([float((r >= threshold) != g) for r, g in zip(s["rm_score"], ok)])
-    return row
-
-
 def win_rate(a: list[float], b: list[float]) -> float:
     """P(score_a > score_b) on the same prompts, ties counted half."""
-    return _mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
+    return mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
 
 
 def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training") -> bool:

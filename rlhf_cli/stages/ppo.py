@@ -5,7 +5,9 @@ experience, core, rewards); this stage composes it from the config, runs it, and
 
 Outputs (`ppo.output_dir`): the LoRA adapter at the top (`AutoPeftModelForCausalLM.from_pretrained` loads it),
 the tokenizer, value/ (value model; gae only), checkpoints/checkpoint-N/ (what trains, optimizer, scheduler,
-RNG state, counters; no pickle), tensorboard/, metrics.json, and merged/ with `merge=true`. The run is built in
+RNG state, counters; no pickle), tensorboard/, metrics.json, merged/ with `merge=true`, and best/ with
+`ppo.keep_best` (the adapter and value/ of the best update by `ppo.eval_every`'s held-out evaluation, best.json
+naming it; `rlhf eval`, `chat` and `export` take it like the top). The run is built in
 the hidden sibling `.<name>.partial` and moved into place at the end, so a failed run never replaces an earlier
 good output; `ppo.resume=true` continues the partial run from its latest checkpoint.
 """
@@ -18,9 +20,10 @@ from pathlib import Path
 
 from rlhf_cli import accel
 from rlhf_cli.config import ppo_sizes, require_dir
+from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import publish, write_json
 from rlhf_cli.models import check_vocab, load_tokenizer, merge_lora, resolve_precision, setup_torch
-from rlhf_cli.ppo import checkpoint
+from rlhf_cli.ppo import checkpoint, evaluation
 from rlhf_cli.ppo.build import build_ppo_models
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.rewards import RewardFunction
@@ -54,6 +57,15 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     functions = {spec: RewardFunction.load(spec, extra, timeout_s=p.reward_timeout_s, retries=p.reward_retries)
                  for spec in c.reward if spec != REWARD_MODEL}  # a URL: a reward server (RemoteReward)
     gt = _sampling.ground_truth(cfg, examples)
+    held_out = None
+    if c.eval_every:  # ppo.eval_every: the held-out prompts, and the metric of ppo.keep_best
+        held_out = _sampling.prompts(cfg, tok, "eval", limit=int(cfg.eval.num_prompts))
+        if not held_out[0]:
+            raise RlhfError(f"ppo.eval_every={c.eval_every}: every held-out prompt is longer than "
+                            f"data.max_prompt_length={cfg.data.max_prompt_length}; raise it, give other held-out "
+                            "data (data.eval_path), or set ppo.eval_every=0")
+    evaluation.keep_best_metric(c.keep_best, c.eval_every, evaluation.metric_names(c.uses_reward_model,
+                                                                                    gt is not None))
 
     # ---- models, sampling, the run directory, the trainer
     paths = accel.configure(cfg, acc.device.type)
@@ -62,6 +74,11 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     vocab = check_vocab(tok, models.policy, policy_dir)
     sampling = _sampling.sampling(cfg, tok, vocab, recompute, engine=paths.sampler,
                                   score_batch_size=_sampling.score_batch_size(cfg, sizes.micro_batch_size, vocab))
+    evaluator = None
+    if held_out is not None:
+        evaluator = evaluation.Evaluator(
+            held_out[0], _sampling.sampling(cfg, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
+            int(cfg.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(cfg, held_out[1]))
     out = Path(p.output_dir)
     if acc.is_main_process:
         checkpoint.work_dir(out, bool(p.resume), bool(p.fresh),
@@ -71,13 +88,19 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)  # TensorBoard, and wandb if asked
     stream = PromptStream(prompts, int(cfg.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
-                         writer=writer, hooks=hooks, reward_functions=functions)
+                         writer=writer, hooks=hooks, reward_functions=functions, evaluator=evaluator)
     if p.resume:
         ckpt = checkpoint.latest(work / "checkpoints")
         trainer.resume(ckpt, force=p.resume == "force")
         log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
                  trainer.progress.episodes)
     describe(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
+    if evaluator is not None:
+        log.info("ppo: every %d updates and after the last, %d held-out prompts sampled with the eval settings "
+                 "(eval/* metrics)%s", c.eval_every, len(evaluator.prompts),
+                 f"; the best update by {c.keep_best} kept in {out / 'best'}" if c.keep_best else "")
+        if acc.is_main_process:
+            show_evaluations(trainer)
 
     # ---- train, with a progress bar and a line per update
     t_start = time.perf_counter()
@@ -106,6 +129,30 @@ def describe(c: PPOConfig, sizes, world: int, value_source: str, storage, comput
                  " + ".join(f"{w:g}·{spec}" for spec, w in zip(c.reward, c.weights())))
 
 
+def eval_line(update: int, num_updates: int, m: dict[str, float]) -> str:
+    """An evaluation's figures as one line, below the update's (what is not measured is left out)."""
+    parts = [f"{label} {m[tag]:{fmt}}" for tag, label, fmt in (
+        ("eval/ground_truth_rate", "gt", ".2f"), ("eval/rm_score", "rm", "+.2f"), ("eval/kl", "kl", ".2f"),
+        ("eval/length_mean", "len", ".1f"), ("eval/eos_rate", "eos", ".2f"), ("eval/empty_rate", "empty", ".2f"))
+        if tag in m]
+    return f"eval {update}/{num_updates} held-out: " + " ".join(parts)
+
+
+def show_evaluations(trainer: PPOTrainer) -> None:
+    """A line per evaluation, after the update's line (`console` writes that one and then calls this hook)."""
+    from tqdm.auto import tqdm
+
+    user = trainer.hooks.on_update
+
+    def on_update(update: int, m: dict) -> None:
+        user(update, m)
+        if "time/eval_s" in m:
+            best = trainer.best is not None and trainer.best["update"] == update
+            tqdm.write(eval_line(update, trainer.sizes.num_updates, m) + (" (best so far: best/)" if best else ""))
+
+    trainer.hooks.on_update = on_update
+
+
 def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:
     """Adapter (or policy) + tokenizer at the top, value/, merged/ with `ppo.merge=true`, metrics.json."""
     p, c = cfg.ppo, trainer.c
@@ -123,4 +170,5 @@ def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> 
         **trainer.progress.metrics, "updates": trainer.sizes.num_updates, "total_episodes": trainer.progress.episodes,
         "train_seconds": round(seconds, 2), "world_size": trainer.world, "policy_dir": str(Path(p.policy_dir).resolve()),
         "reward_dir": str(Path(p.reward_dir).resolve()) if c.uses_reward_model else None,
-        "advantage": c.advantage, "reward": list(c.reward)})
+        "advantage": c.advantage, "reward": list(c.reward),
+        **({"best": {k: v for k, v in trainer.best.items() if k != "eval"}} if trainer.best else {})})

@@ -1,0 +1,178 @@
+"""Held-out evaluation, one definition for `rlhf eval` and for `rlhf ppo` while it trains:
+
+    sample_and_score   responses to held-out prompts through PPO's own sampling path (`make_experience`), with
+                       each one's reward-model score and KL to the reference (k1 summed over the response)
+    summarise          one policy's row: the means, the ground-truth rate, the RM / ground-truth disagreement
+    Evaluator          what the trainer calls every `ppo.eval_every` updates: the two above as `eval/*` metrics
+    keep_best_metric   `ppo.keep_best` read and checked; `write_best` puts the best update's adapter in best/
+
+So the `eval/*` curves of a PPO run and the report of `rlhf eval` measure the same things the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf_cli.errors import RlhfError
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo.experience import Sampling, make_experience
+from rlhf_cli.ppo.rewards import GroundTruth
+
+# TensorBoard tag -> the key of `summarise`'s row it shows
+EVAL_TAGS = {"eval/ground_truth_rate": "ground_truth_rate", "eval/rm_score": "rm_score_mean",
+             "eval/kl": "kl_to_ref_mean", "eval/length_mean": "response_length_mean", "eval/eos_rate": "eos_rate",
+             "eval/empty_rate": "empty_rate", "eval/rm_gt_disagreement": "rm_gt_disagreement"}
+BEST_FILE = "best.json"  # in best/: the update kept, its metric and value
+
+
+@torch.no_grad()
+def sample_and_score(policy, ref, rm, tok, prompts: list[str], s: Sampling, device, seed: int, autocast,
+                     progress=None) -> dict:
+    """Responses of `policy` to `prompts` through PPO's own sampling path, with their RM score (None without a
+    reward model) and KL to `ref` (None: the policy with its adapter disabled)."""
+    torch.manual_seed(seed)
+    out = {"texts": [], "rm_score": [], "kl": [], "length": [], "eos": [], "empty": []}
+    for i in range(0, len(prompts), s.forward_batch_size):
+        with autocast():
+            exp = make_experience(prompts[i: i + s.forward_batch_size], tok, policy, s, ref_model=ref,
+                                  reward_model=rm, device=device)
+        out["texts"] += exp.texts
+        out["rm_score"] += exp.rm_scores.tolist() if exp.rm_scores is not None else [None] * len(exp.texts)
+        out["kl"] += core.masked_sum(exp.logprobs - exp.ref_logprobs, exp.response_mask, dim=-1).tolist()
+        out["length"] += exp.response_mask.sum(-1).tolist()
+        out["eos"] += exp.has_stop.tolist()
+        out["empty"] += exp.empty.tolist()
+        if progress is not None:
+            progress.update(len(exp.texts))
+    return out
+
+
+def mean(xs) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def summarise(s: dict) -> dict:
+    """One policy's row. With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5):
+    its mean, the RM score on passing and failing responses, and how often the RM and the checker disagree."""
+    scored = all(r is not None for r in s["rm_score"])
+    row = {"rm_score_mean": mean(s["rm_score"]) if scored else None, "kl_to_ref_mean": mean(s["kl"]),
+           "response_length_mean": mean(s["length"]), "eos_rate": mean([float(x) for x in s["eos"]]),
+           "empty_rate": mean([float(x) for x in s["empty"]]), "ground_truth_rate": None}
+    if s.get("ground_truth") is not None:
+        row["ground_truth_rate"] = mean([float(x) for x in s["ground_truth"]])
+        if not scored:
+            return row
+        ok = [x >= 0.5 for x in s["ground_truth"]]
+        bad = [r for r, g in zip(s["rm_score"], ok) if not g]
+        good = [r for r, g in zip(s["rm_score"], ok) if g]
+        # reward hacking: responses the checker rejects but the RM scores like the ones it accepts
+        row["rm_score_mean_on_gt_fail"] = mean(bad) if bad else None
+        row["rm_score_mean_on_gt_pass"] = mean(good) if good else None
+        threshold = mean(good) if good else 0.0
+        row["rm_gt_disagreement"] = mean([float((r >= threshold) != g) for r, g in zip(s["rm_score"], ok)])
+    return row
+
+
+def metric_names(reward_model: bool, ground_truth: bool) -> tuple[str, ...]:
+    """The `eval/*` metrics an evaluation gives: the RM score with a reward model, the ground-truth rate with a
+    checker, their disagreement with both."""
+    skip = set() if reward_model else {"eval/rm_score", "eval/rm_gt_disagreement"}
+    if not ground_truth:
+        skip |= {"eval/ground_truth_rate", "eval/rm_gt_disagreement"}
+    return tuple(t for t in EVAL_TAGS if t not in skip)
+
+
+def keep_best_metric(spec: str | None, eval_every: int, names=None) -> tuple[str, float] | None:
+    """`ppo.keep_best` as (metric, sign): higher is better, a leading minus makes lower better (`-eval/kl`); None
+    when off. `names`: the metrics the run's evaluation gives (None: not checked here)."""
+    if spec is None:
+        return None
+    name, sign = (spec[1:], -1.0) if spec.startswith("-") else (spec, 1.0)
+    if not eval_every:
+        raise RlhfError(f"ppo.keep_best={spec} keeps the adapter of the best evaluation, but ppo.eval_every=0 "
+                        "never evaluates; set ppo.eval_every=N (updates between evaluations)")
+    if names is not None and name not in names:
+        raise RlhfError(f"ppo.keep_best={spec}: this run's evaluation has no {name}; use one of "
+                        f"{', '.join(names)} (a leading - keeps the lowest, e.g. -eval/kl)")
+    return name, sign
+
+
+@dataclass
+class Evaluator:
+    """The trainer's held-out evaluation (`PPOTrainer(evaluator=...)`): the current policy samples `prompts`
+    with `sampling` (the eval settings) and is measured as `rlhf eval` measures it, against the trainer's
+    reference and reward model. Each evaluation draws from `seed`, so updates are compared on the same random
+    stream, and leaves the training's random stream where it was."""
+
+    prompts: list[str]
+    sampling: Sampling
+    seed: int
+    rows: list[dict] | None = None  # each prompt's data row fields (for the checker)
+    ground_truth: GroundTruth | None = None  # the data's checker (data.ground_truth)
+
+    def __call__(self, trainer) -> dict[str, float]:
+        # Every process samples its shard of the prompts and the per-response values are gathered: the means are
+        # exact whatever the shard sizes, every process gets the same numbers (so all agree on which update is
+        # best without a broadcast), and the evaluation takes 1/N of the time instead of idling N-1 processes.
+        rank, world, device = trainer.rank, trainer.world, trainer.device
+        prompts = self.prompts[rank::world]
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices):
+            s = sample_and_score(trainer.unwrapped, trainer.ref, trainer.reward, trainer.tok, prompts, self.sampling,
+                                 device, self.seed, trainer.autocast)
+        if self.ground_truth is not None:
+            s["ground_truth"] = self.ground_truth(s["texts"], prompts, self.rows[rank::world] if self.rows else None)
+        if world > 1:
+            import torch.distributed as dist
+
+            parts = [None] * world
+            dist.all_gather_object(parts, s)
+            s = {k: [x for p in parts for x in p[k]] for k in s}
+        row = summarise(s)
+        return {tag: float(row[key]) for tag, key in EVAL_TAGS.items() if row.get(key) is not None}
+
+
+def is_better(value: float, best: dict | None, sign: float) -> bool:
+    """`value` beats the best so far (`best["value"]`, or none yet); ties keep the earlier update."""
+    if not math.isfinite(value):
+        return False
+    return best is None or sign * value > sign * float(best["value"])
+
+
+def read_best(path: Path) -> dict | None:
+    """best.json of `path` (best/), or None when there is none."""
+    from rlhf_cli.io import read_json
+
+    file = Path(path) / BEST_FILE
+    return read_json(file) if file.is_file() else None
+
+
+def write_best(path: Path, policy, value_model, tok, record: dict, root: Path) -> None:
+    """Replace `path` (`<run>/best/`) atomically by the policy's adapter (or full weights), the tokenizer, the
+    value model (value/, when there is one) and `record` as best.json. Marked as a PPO output, so `rlhf export
+    ppo.output_dir=<it>` writes its merged/ inside it; adapters record their base relative to `root` (the run
+    directory), so that it loads where the run is moved to. The main process alone calls this."""
+    from rlhf_cli.io import publish, write_json
+    from rlhf_cli.ppo.checkpoint import save_model
+
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"  # a killed run's is removed by the next publish
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_model(policy, tmp, root)
+        tok.save_pretrained(str(tmp))
+        if value_model is not None:
+            save_model(value_model, tmp / "value", root)
+        write_json(tmp / BEST_FILE, record)
+        publish(tmp, path, "ppo")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
