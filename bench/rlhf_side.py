@@ -240,6 +240,7 @@ def main(argv=None) -> int:
         "ppo.normalize_scores=false",
         f"ppo.total_episodes={episodes}",
         "ppo.sample_every=0",
+        "ppo.eval_every=0",         # the bench times training; held-out evaluation is off
         "ppo.save_every=0",
         "ppo.merge=false",
         *a.set,

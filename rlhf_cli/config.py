@@ -302,6 +302,8 @@ def translate_overrides(command: str, overrides: list[str]) -> list[str]:
     chosen = False
     for o in overrides:
         o = _free_text(o, command)
+        if o.startswith("eval.policies.") and "=" in o:  # a mapping of the user's: a new name is added (++)
+            o = "++" + o
         if o.startswith("recipe="):
             # a multirun may sweep recipes: recipe=tiny,my-tiny
             names = o.split("=", 1)[1].split(",")

@@ -189,7 +189,7 @@ class PPOTrainer:
     def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """The one way a tensor enters a collective: on this process's device (NCCL takes no CPU tensor; gloo
         would, so the CPU tests catch a misplaced tensor here)."""
-        if t.device != self.device:
+        if t.device.type != self.device.type or (t.device.type != "cpu" and t.device.index != self.device.index):
             raise RuntimeError(f"a {tuple(t.shape)} tensor on {t.device} would enter a collective of processes on "
                                f"{self.device}")
         return self.acc.reduce(t, op) if self.world > 1 else t
