@@ -289,7 +289,6 @@ SCHEMA: dict[str, Rule] = {
     "ppo.resume": one_of(True, False, "force", help="force: continue although the run config that shapes the "
                          "run changed (rlhf_cli.ppo.checkpoint.compare_run_config)"),
     "ppo.fresh": flag(help="delete an interrupted run (its checkpoints) and start over"),
-    "ppo.fresh": flag(help="delete an interrupted run (its checkpoints) and start over"),
     "ppo.merge": flag(),
     # ---- conf/stage/eval.yaml
     "eval.output_dir": text(),
