@@ -1,4 +1,5 @@
-"""What `rlhf ppo` shows on the console while it trains: a progress bar over episodes and one line per update."""
+"""What `rlhf ppo` shows on the console while it trains: a progress bar over episodes, one line per update and
+one per held-out evaluation."""
 
 from __future__ import annotations
 
@@ -50,3 +51,27 @@ class console:
             saved = checkpoint.latest(self.trainer.work / "checkpoints")
             log.error("ppo: interrupted; %s", f"`ppo.resume=true` continues from {saved}" if saved else
                       "no checkpoint was written yet (ppo.save_every), nothing to resume")
+
+
+def eval_line(update: int, num_updates: int, m: dict[str, float]) -> str:
+    """An evaluation's figures as one line, below the update's (what is not measured is left out)."""
+    parts = [f"{label} {m[tag]:{fmt}}" for tag, label, fmt in (
+        ("eval/ground_truth_rate", "gt", ".2f"), ("eval/rm_score", "rm", "+.2f"), ("eval/kl", "kl", ".2f"),
+        ("eval/length_mean", "len", ".1f"), ("eval/eos_rate", "eos", ".2f"), ("eval/empty_rate", "empty", ".2f"))
+        if tag in m]
+    return f"eval {update}/{num_updates} held-out: " + " ".join(parts)
+
+
+def show_evaluations(trainer: PPOTrainer) -> None:
+    """A line per evaluation, after the update's line (`console` writes that one and then calls this hook)."""
+    from tqdm.auto import tqdm
+
+    user = trainer.hooks.on_update
+
+    def on_update(update: int, m: dict) -> None:
+        user(update, m)
+        if "time/eval_s" in m:
+            best = trainer.best is not None and trainer.best["update"] == update
+            tqdm.write(eval_line(update, trainer.sizes.num_updates, m) + (" (best so far: best/)" if best else ""))
+
+    trainer.hooks.on_update = on_update

@@ -29,7 +29,7 @@ from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.rewards import RewardFunction
 from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
-from rlhf_cli.stages._console import console
+from rlhf_cli.stages._console import console, show_evaluations
 from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
@@ -127,30 +127,6 @@ def describe(c: PPOConfig, sizes, world: int, value_source: str, storage, comput
     if c.advantage != "gae" or c.samples_per_prompt > 1 or c.reward != (REWARD_MODEL,):
         log.info("ppo: advantage %s, %d response(s) per prompt; reward %s", c.advantage, c.samples_per_prompt,
                  " + ".join(f"{w:g}·{spec}" for spec, w in zip(c.reward, c.weights())))
-
-
-def eval_line(update: int, num_updates: int, m: dict[str, float]) -> str:
-    """An evaluation's figures as one line, below the update's (what is not measured is left out)."""
-    parts = [f"{label} {m[tag]:{fmt}}" for tag, label, fmt in (
-        ("eval/ground_truth_rate", "gt", ".2f"), ("eval/rm_score", "rm", "+.2f"), ("eval/kl", "kl", ".2f"),
-        ("eval/length_mean", "len", ".1f"), ("eval/eos_rate", "eos", ".2f"), ("eval/empty_rate", "empty", ".2f"))
-        if tag in m]
-    return f"eval {update}/{num_updates} held-out: " + " ".join(parts)
-
-
-def show_evaluations(trainer: PPOTrainer) -> None:
-    """A line per evaluation, after the update's line (`console` writes that one and then calls this hook)."""
-    from tqdm.auto import tqdm
-
-    user = trainer.hooks.on_update
-
-    def on_update(update: int, m: dict) -> None:
-        user(update, m)
-        if "time/eval_s" in m:
-            best = trainer.best is not None and trainer.best["update"] == update
-            tqdm.write(eval_line(update, trainer.sizes.num_updates, m) + (" (best so far: best/)" if best else ""))
-
-    trainer.hooks.on_update = on_update
 
 
 def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:
