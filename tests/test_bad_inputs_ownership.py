@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from clitools import RLHF, cli_env, rlhf
 
 from rlhf_cli.io import OUTPUT_MARKER, atomic_dir
 
-RLHF = Path(sys.executable).with_name("rlhf")
 RUN = Path("runs/tiny")  # the tiny recipe's run_dir, below the test's working directory
 
 
@@ -67,16 +65,6 @@ CASES = [
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def cli_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-
-
-def rlhf(cwd: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    return subprocess.run([str(RLHF), *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, check=False,
-                          timeout=timeout)
-
-
 def tree(root: Path) -> dict[str, str | None]:
     """Every path under `root` with the sha256 of its bytes (None for a directory); Hydra's logs/ (written before
     the stage runs) left out."""

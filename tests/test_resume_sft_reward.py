@@ -9,27 +9,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from clitools import RLHF, cli_env, rlhf
 
-RLHF = Path(sys.executable).with_name("rlhf")
 STEPS, EVERY = 20, 5
 # 20 steps, a checkpoint every 5, evaluations only at the start and at the end
 SMALL = ["device.threads=1", f"sft.max_steps={STEPS}", f"sft.save_steps={EVERY}", f"sft.eval_steps={STEPS}",
          f"reward.max_steps={STEPS}", f"reward.save_steps={EVERY}", f"reward.eval_steps={STEPS}"]
-
-
-def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-
-
-def rlhf(cwd: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([str(RLHF), *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -48,7 +37,7 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 
 def start(cwd: Path, *args: str) -> subprocess.Popen:
     """`rlhf` in its own process group (so a kill reaches everything it started)."""
-    return subprocess.Popen([str(RLHF), *args], cwd=cwd, env=env(), stdout=subprocess.DEVNULL,
+    return subprocess.Popen([str(RLHF), *args], cwd=cwd, env=cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
