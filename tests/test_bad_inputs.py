@@ -4,8 +4,8 @@ errors fail at validation, before any model is built or any stage directory is m
 
 Adding a case is adding a row to CASES: `Case("<rlhf arguments>", "<text of the error line>")`, with
 `files=(("name", "contents"),)` for input files written into the (empty) working directory first,
-`{tiny_base}` in the arguments for a prebuilt tiny base model, and `early=False` for a failure that comes
-after models load.
+`{tiny_base}` in the arguments for a prebuilt tiny base model (`{rm_dir}`: a reward model's kind made from it,
+`{pickled}`: it with pickle weights), and `early=False` for a failure that comes after models load.
 """
 
 from __future__ import annotations
@@ -112,6 +112,16 @@ CASES = [
     Case("sft device=cuda model.tiny.dir={tiny_base}", "needs a CUDA GPU, but torch sees none", early=False),
     Case("ppo ppo.resume=true ppo.policy_dir={tiny_base} ppo.reward=[rlhf_cli.demo:polite_reward] ppo.value_init=sft",
          "no interrupted run to resume", early=False),
+    # top-level typos and ranges; the wrong kind of model; weights that would be unpickled
+    Case("sft +foo=bar", "foo is not a config key; `rlhf sft --cfg job` prints the keys"),
+    Case("sft seed=99999999999999999999", "use a whole number in [0, 4294967295]"),
+    Case("ppo ppo.policy_dir={rm_dir} ppo.reward=[rlhf_cli.demo:polite_reward] ppo.value_init=sft",
+         "holds a sequence classifier (a reward or value model), not a causal language model", early=False),
+    Case("eval ppo.policy_dir={tiny_base} eval.policies.sft={tiny_base} eval.policies.ppo={tiny_base} "
+         "eval.reward_dir={tiny_base}", "holds a causal language model (a policy), not a sequence classifier",
+         early=False),
+    Case("chat chat.model_dir={rm_dir} prompt=hi", "holds a sequence classifier", early=False),
+    Case("reward reward.init_from={pickled}", "holds pickle weights, which rlhf never loads", early=False),
 ]
 
 
@@ -123,6 +133,36 @@ def tiny_base(tmp_path_factory):
     return build_tiny_base(tmp_path_factory.mktemp("tiny") / "base")
 
 
+@pytest.fixture(scope="module")
+def rm_dir(tiny_base, tmp_path_factory):
+    """A sequence classifier (a reward model's kind) made from the tiny base (`{rm_dir}`)."""
+    import torch
+
+    from rlhf_cli.models import load_seq_cls, load_tokenizer
+
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    tok = load_tokenizer(tiny_base)
+    load_seq_cls(tiny_base, tok, torch.float32).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pickled(tiny_base, tmp_path_factory):
+    """The tiny base with its weights in a pickle file instead of safetensors (`{pickled}`)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path_factory.mktemp("pk") / "base"
+    shutil.copytree(tiny_base, out)
+    for w in out.glob("*.safetensors"):
+        torch.save(load_file(str(w)), out / "pytorch_model.bin")
+        w.unlink()
+    return out
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.args for c in CASES])
 def test_bad_input_fails_with_one_line_naming_it(case, run_cli, tmp_path, request):
     for name, contents in case.files:
@@ -132,8 +172,9 @@ def test_bad_input_fails_with_one_line_naming_it(case, run_cli, tmp_path, reques
         else:
             (tmp_path / name).write_text(contents, encoding="utf-8")
     args = case.args
-    if "{tiny_base}" in args:
-        args = args.replace("{tiny_base}", str(request.getfixturevalue("tiny_base")))
+    for name in ("tiny_base", "rm_dir", "pickled"):
+        if "{" + name + "}" in args:
+            args = args.replace("{" + name + "}", str(request.getfixturevalue(name)))
     argv = shlex.split(args)
     rc, out, err = run_cli(*argv)
 
