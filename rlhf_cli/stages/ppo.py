@@ -67,7 +67,13 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     evaluation.keep_best_metric(c.keep_best, c.eval_every, evaluation.metric_names(c.uses_reward_model,
                                                                                     gt is not None))
 
-    # ---- models, sampling, the run directory, the trainer
+    # ---- the run directory (claimed before any model loads: a second run is refused at once), models, trainer
+    out = Path(p.output_dir)
+    if acc.is_main_process:
+        checkpoint.work_dir(out, bool(p.resume), bool(p.fresh),
+                            inputs=[p.policy_dir, p.reward_dir, p.value_init])
+    acc.wait_for_everyone()
+    work = out.parent / f".{out.name}.partial"
     paths = accel.configure(cfg, acc.device.type)
     models = build_ppo_models(cfg, tok, acc.device, storage, paths, acc.num_processes)
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
@@ -79,12 +85,6 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
         evaluator = evaluation.Evaluator(
             held_out[0], _sampling.sampling(cfg, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
             int(cfg.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(cfg, held_out[1]))
-    out = Path(p.output_dir)
-    if acc.is_main_process:
-        checkpoint.work_dir(out, bool(p.resume), bool(p.fresh),
-                            inputs=[p.policy_dir, p.reward_dir, p.value_init])
-    acc.wait_for_everyone()
-    work = out.parent / f".{out.name}.partial"
     writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)  # TensorBoard, and wandb if asked
     stream = PromptStream(prompts, int(cfg.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
