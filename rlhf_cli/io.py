@@ -127,6 +127,13 @@ def _marker(directory: Path) -> dict | None:
     return {}
 
 
+def output_kind(directory: str | Path) -> str | None:
+    """The kind of rlhf output `directory` holds (the stage that wrote it), or None (not rlhf's, or unknown)."""
+    marker = _marker(Path(directory))
+    kind = (marker or {}).get("kind")
+    return kind if kind in KINDS else None
+
+
 def _holds(directory: Path) -> str:
     """What `directory` holds, in words, for an error line."""
     marker = _marker(directory)

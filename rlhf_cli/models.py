@@ -226,13 +226,24 @@ def _hf_snapshot(name, revision, cache_dir, local_files_only):
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
-def load_tokenizer(path: str | Path, model_cfg=None):
+def load_tokenizer(path: str | Path, model_cfg=None, scoring: bool = False):
     """Tokenizer with a pad token distinct from EOS (so masks can tell padding from a real end) and a chat
-    template; left padding for generation."""
+    template; left padding for generation. `scoring=True`: the tokenizer of a reward model that reads texts
+    rendered with its own template (`rlhf_cli.ppo.reward_model`): it never generates and its scores are read at
+    an explicit position, so padding may be EOS (a published reward model's usual setting) and the policy's
+    `model.pad_token` does not apply; long texts are cut from the left, keeping the end a score is read at."""
     from transformers import AutoTokenizer
 
     trust = bool(model_cfg.trust_remote_code) if model_cfg is not None else False
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust)
+    if scoring:
+        if tok.eos_token_id is None:
+            raise RlhfError(f"the reward model's tokenizer at {path} has no EOS token; set eos_token in its "
+                            "tokenizer_config.json")
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side, tok.truncation_side = "left", "left"
+        return tok
     pad = model_cfg.get("pad_token") if model_cfg is not None else None
     if pad:
         if tok.convert_tokens_to_ids(pad) in (None, tok.unk_token_id):
@@ -385,6 +396,12 @@ def merge_lora(peft_model):
 
 def same_vocab(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
+
+
+def same_tokenizer(tok_a, tok_b) -> bool:
+    """The same token ids, chat template and EOS: a model of one reads the other's token ids as they are."""
+    return same_vocab(tok_a, tok_b) and tok_a.chat_template == tok_b.chat_template \
+        and tok_a.eos_token == tok_b.eos_token
 
 
 def check_vocab(tok, model, where) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.forward import padding_counts, policy_logits
+from rlhf_cli.ppo.reward_model import TextRewardModel
 from rlhf_cli.ppo.sampling import generate_chunk
 
 
@@ -179,7 +180,8 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
 
     policy: the model that samples (a PEFT model: its adapter-disabled self is the reference unless `ref_model`
     is given). value_model / reward_model: `TokenValueModel`s, optional (eval and critic-free PPO have no value
-    model; a run rewarded by functions alone has no reward model). The
+    model; a run rewarded by functions alone has no reward model; a `TextRewardModel` scores the decoded texts
+    with its own tokenizer). The
     log-probs come from the sampling pass, or with `s.recompute_logprobs` from a full forward like the
     update's (the two disagree in low precision). The scoring forwards run `s.score_batch_size` rows at a time,
     rows of similar prompt length together (`score_groups`): a smaller peak and less padding than the chunk's."""
@@ -222,13 +224,15 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
         values = None
         if value_model is not None:
             values = each(lambda ids, am, ps, rows, st: value_model(ids, am, ps, response_length=R))
-        rm_scores = None
-        if reward_model is not None:
-            last = q_ids.shape[1] + core.last_token_index(rmask)
-            rm_scores = each(lambda ids, am, ps, rows, st: reward_model.score_at(ids, am, ps, last[rows] - st))
         has_stop = torch.isin(resp, stop_t).any(-1) if stop_t is not None \
             else torch.zeros(resp.shape[0], dtype=torch.bool, device=device)
         texts = tok.batch_decode(resp, skip_special_tokens=True)
+        rm_scores = None
+        if isinstance(reward_model, TextRewardModel):  # its own tokenizer: the texts re-rendered and re-tokenized
+            rm_scores = reward_model(prompts[i: i + s.forward_batch_size], texts, has_stop.tolist()).to(device)
+        elif reward_model is not None:
+            last = q_ids.shape[1] + core.last_token_index(rmask)
+            rm_scores = each(lambda ids, am, ps, rows, st: reward_model.score_at(ids, am, ps, last[rows] - st))
         empty = torch.tensor([not t.strip() for t in texts], device=device)
         t_gen, t_score = t_gen + (t1 - t0), t_score + (time.perf_counter() - t1)
         chunks.append(Experience(input_ids=input_ids, attention_mask=attn, position_ids=pos, response_ids=resp,
