@@ -7,7 +7,10 @@ settings, the launch line); `rlhf_cli.supervise` starts the launch and watches i
     strategy   launch                                              sft / reward (trl)          ppo
     ddp        accelerate launch --multi_gpu --num_processes N     DDP                          DDP
     deepspeed  accelerate launch --config_file <generated yaml>    TrainingArguments.deepspeed  refused
-    fsdp       accelerate launch --config_file <generated yaml>    TrainingArguments.fsdp       refused
+    fsdp       accelerate launch --config_file <generated yaml>    TrainingArguments.fsdp       FSDP2 (*)
+
+(*) ppo shards its models itself (`rlhf_cli.ppo.shard`): it is launched like ddp, and accelerate only starts
+the processes and their process group.
 
 Collectives give up after `device.collective_timeout_s`, so a process whose peer is gone ends with an error
 instead of waiting.
@@ -41,7 +44,7 @@ def strategy(device) -> str:
     s = str(device.get("strategy") or "single")
     if s not in STRATEGIES:
         raise RlhfError(f"device.strategy={s} is unknown; use one of {', '.join(STRATEGIES)} "
-                        "(or pick a device file: device=ddp, zero2, zero3, fsdp, cpu-ddp)")
+                        "(or pick a device file: device=ddp, zero2, zero3, fsdp, cpu-ddp, cpu-fsdp)")
     return s
 
 
@@ -79,13 +82,16 @@ def check_stage_support(cfg) -> None:
                             "or 3 (device=zero3)")
         if d.accelerator != "cuda":
             raise RlhfError("DeepSpeed needs GPUs (device.accelerator=cuda); on the CPU use device=cpu-ddp")
-    if s in ("deepspeed", "fsdp") and command == "ppo":
-        raise RlhfError(
-            f"rlhf ppo runs under ddp, not {d.name} ({s}): the PPO loop prepares the policy and the value "
-            "model with one optimizer, which accelerate's DeepSpeed / FSDP wrappers take one model at a "
-            "time, and sampling with model.generate would need the sharded weights gathered for every "
-            "token. PPO trains a LoRA adapter (a small optimizer state), so use device=ddp; sft and reward "
-            "run under zero2, zero3 and fsdp")
+    if s == "deepspeed" and command == "ppo":
+        raise RlhfError(f"rlhf ppo runs under ddp or fsdp, not {d.name} (DeepSpeed): use device=fsdp to shard its "
+                        "models over the GPUs (device=cpu-fsdp on the CPU), or device=ddp")
+    if s == "fsdp" and command == "ppo":
+        if bool(d.offload_params):
+            raise RlhfError(f"device.offload_params=true: rlhf ppo keeps its shards on the device under "
+                            f"{d.name}; set device.offload_params=false")
+        if bool(cfg.ppo.merge):
+            raise RlhfError(f"ppo.merge=true under {d.name}: the adapter is trained sharded; merge it after the "
+                            "run with `rlhf export` (or drop ppo.merge)")
     if command == "sft" and s in ("deepspeed", "fsdp") and bool(cfg.sft.lora.enabled) and \
             (s == "fsdp" or int(d.zero_stage) == 3):
         raise RlhfError(f"sft.lora.enabled=true with {d.name}: the adapter is merged into the weights before "
@@ -279,7 +285,7 @@ def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None
     s = strategy(d)
     ac = accelerate_config(d)
     argv = launcher_prefix()
-    if s == "ddp":
+    if not uses_config_file(cfg):
         argv += ["--multi_gpu", "--num_processes", str(ac["num_processes"]), "--num_machines",
                  str(ac["num_machines"])]
         if ac["num_machines"] > 1:
@@ -295,6 +301,13 @@ def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None
     if threads > 0:
         argv += ["--num_cpu_threads_per_process", str(threads)]
     return [*argv, "-m", "rlhf_cli.cli", str(cfg.command), *overrides]
+
+
+def uses_config_file(cfg) -> bool:
+    """Whether the launch carries accelerate's DeepSpeed / FSDP settings (a generated config file): sft and
+    reward, whose trainers take them from accelerate; ppo places its models itself and launches like ddp."""
+    s = strategy(cfg.device)
+    return s == "deepspeed" or (s == "fsdp" and str(cfg.command) != "ppo")
 
 
 def child_overrides(task_overrides: list[str]) -> list[str]:

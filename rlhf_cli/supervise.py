@@ -36,6 +36,7 @@ from rlhf_cli.launch import (
     num_processes,
     quiet_launch_argv,
     strategy,
+    uses_config_file,
     write_accelerate_config,
 )
 
@@ -82,7 +83,7 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
             print(single_line)
             return 0
         return None
-    config_file = write_accelerate_config(cfg, log_dir) if s in ("deepspeed", "fsdp") else None
+    config_file = write_accelerate_config(cfg, log_dir) if uses_config_file(cfg) else None
     argv = launch_argv(cfg, overrides, config_file)
     line = shlex.join(argv)
     if dry:

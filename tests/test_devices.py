@@ -25,7 +25,7 @@ DEVICES = sorted(p.stem for p in (CONF_DIR / "device").glob("*.yaml"))
 EXPECTED = {  # name: (accelerator, strategy, zero stage)
     "cpu": ("cpu", "single", 0), "cuda": ("cuda", "single", 0), "cpu-ddp": ("cpu", "ddp", 0),
     "ddp": ("cuda", "ddp", 0), "zero2": ("cuda", "deepspeed", 2), "zero3": ("cuda", "deepspeed", 3),
-    "fsdp": ("cuda", "fsdp", 0),
+    "fsdp": ("cuda", "fsdp", 0), "cpu-fsdp": ("cpu", "fsdp", 0),
 }
 
 
@@ -171,9 +171,10 @@ def test_single_process_dry_run(run_cli):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["ppo", "device=zero2"], "ppo runs under ddp"),
-    (["ppo", "device=zero3"], "ppo runs under ddp"),
-    (["ppo", "device=fsdp"], "ppo runs under ddp"),
+    (["ppo", "device=zero2"], "ppo runs under ddp or fsdp, not zero2 (DeepSpeed): use device=fsdp"),
+    (["ppo", "device=zero3"], "ppo runs under ddp or fsdp, not zero3 (DeepSpeed): use device=fsdp"),
+    (["ppo", "device=fsdp", "device.offload_params=true"], "set device.offload_params=false"),
+    (["ppo", "device=cpu-fsdp", "ppo.merge=true"], "merge it after the run with `rlhf export`"),
     (["sft", "device=zero3", "sft.lora.enabled=true"], "unsharded weights"),
     (["sft", "device=cpu-ddp", "device.num_processes=1"], "single-process run"),
     (["sft", "device=cuda", "device.num_processes=4"], "device=ddp device.num_processes=4"),
@@ -185,6 +186,17 @@ def test_unsupported_combinations_fail_fast(run_cli, args, needle):
     rc, out, err = run_cli(*args, "dry_run=true")
     assert rc == 2, (out, err)
     assert needle in err and err.count("\n") == 1  # one line
+
+
+@pytest.mark.parametrize("device", ["fsdp", "cpu-fsdp"])
+def test_ppo_under_fsdp_launches_like_ddp(run_cli, device):
+    """ppo shards its models itself: its launch line has no accelerate FSDP config (sft's has)."""
+    rc, out, err = run_cli("ppo", f"device={device}", "dry_run=true")
+    assert rc == 0, err
+    assert "--multi_gpu" in out and "--num_processes 2" in out and "--config_file" not in out
+    rc, out, err = run_cli("sft", f"device={device}", "dry_run=true")
+    assert rc == 0, err
+    assert "--config_file" in out and "fsdp_version: 2" in out
 
 
 def test_launched_processes_do_not_launch_again(monkeypatch, tmp_path, capsys):

@@ -88,6 +88,10 @@ def configure(cfg, device_type: str) -> FastPaths:
     """The speed paths `cfg` asks for on this device, with the process-wide CPU matmul setting applied
     (`device.cpu_matmul`; `blas` where the paths are off)."""
     on = enabled(str(cfg.device.get("fast_paths") or "auto"), device_type)
+    if on and str(cfg.device.get("strategy")) == "fsdp":
+        log.info("fast paths: off under device.strategy=fsdp (they replace forwards and sampling of whole models "
+                 "in one process; sharded models run transformers' forwards and generate())")
+        on = False
     from rlhf_cli.accel import cpu_linear
 
     cpu_linear.set_mode(str(cfg.device.get("cpu_matmul") or "auto") if on else "blas")

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from rlhf_cli.ppo import core
+from rlhf_cli.ppo.shard import gathered
 
 Engine = Callable[..., "dict | None"]
 _ENGINES: dict[str, Engine] = {}
@@ -60,9 +61,10 @@ def generate_chunk(policy, tokenizer, prompt_ids, prompt_mask, gen_config, stop_
                    fixed_length: int | None, vocab_size: int | None = None, engine_name: str = "generate") -> dict:
     """Sample responses for one chunk with the named engine; old log-probs come from the sampling logits (no
     second forward). Returns the engine's fields plus "mask" (B, R), 1 on valid tokens (the stop included)."""
-    g = engine(engine_name)(policy, prompt_ids, prompt_mask, gen_config, stop_ids, temperature, vocab_size)
-    if g is None:
-        g = generate(policy, prompt_ids, prompt_mask, gen_config, stop_ids, temperature, vocab_size)
+    with gathered(policy):  # a sharded policy's weights gathered once for all tokens (rlhf_cli.ppo.shard)
+        g = engine(engine_name)(policy, prompt_ids, prompt_mask, gen_config, stop_ids, temperature, vocab_size)
+        if g is None:
+            g = generate(policy, prompt_ids, prompt_mask, gen_config, stop_ids, temperature, vocab_size)
     response = g["response"]
     if fixed_length is not None and response.shape[1] < fixed_length:
         raise RuntimeError("generation stopped early although no stop token is configured")

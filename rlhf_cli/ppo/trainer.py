@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.ppo import checkpoint, core, evaluation, rewards
+from rlhf_cli.ppo import checkpoint, core, evaluation, rewards, shard
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
 from rlhf_cli.ppo.forward import leading_padding, padding_counts, policy_logits
@@ -157,11 +157,8 @@ class PPOTrainer:
         self.scheduler = get_scheduler(c.lr_scheduler_type, optimizer,
                                        num_warmup_steps=int(c.warmup_ratio * total_steps),
                                        num_training_steps=total_steps)
-        if models.value is not None:
-            self.policy, self.value, self.optimizer = accelerator.prepare(models.policy, models.value, optimizer)
-        else:  # critic-free: no value model to train, sync or save
-            self.policy, self.optimizer = accelerator.prepare(models.policy, optimizer)
-            self.value = None
+        # DDP replicas, or models sharded at build time as they are; value None: critic-free
+        self.policy, self.value, self.optimizer = shard.prepare(accelerator, models.policy, models.value, optimizer)
         if self.world > 1:
             # weights are already in sync (DDP broadcasts rank 0's); sampling must differ between ranks
             torch.manual_seed(int(stream.seed) + self.rank)
@@ -389,7 +386,8 @@ class PPOTrainer:
                         mb_stats.append(self.micro_batch_step(exp, idx, starts[mb * sz.gradient_accumulation_steps + k],
                                                               sz.gradient_accumulation_steps))
                 s = dict(zip(STAT_KEYS, torch.stack(mb_stats).mean(0)))
-                grad_norm = acc.clip_grad_norm_(self.trainable(), c.max_grad_norm) if c.max_grad_norm else None
+                grad_norm = shard.full(acc.clip_grad_norm_(self.trainable(), c.max_grad_norm)) \
+                    if c.max_grad_norm else None
                 losses = torch.stack([s["pg_loss"], s["vf_loss"]])
                 finite = torch.isfinite(losses).all() & (torch.isfinite(grad_norm) if grad_norm is not None else True)
                 if not bool(finite):  # stop before the step: the weights (and the last checkpoint) stay finite
@@ -523,13 +521,14 @@ class PPOTrainer:
             rngs = [None] * self.world
             dist.all_gather_object(rngs, checkpoint.rng_state())
         path = self.work / "checkpoints" / f"checkpoint-{self.progress.update}"
-        if self.acc.is_main_process:
-            state = {"update": self.progress.update, "episodes": self.progress.episodes,
-                     "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                     "prompts_consumed": consumed, "metrics": self.progress.metrics, "config": self.run_config()}
-            checkpoint.save(path, self.unwrapped, self.value_model(), self.tok, state, self.optimizer.state_dict(),
-                            rngs, root=self.work.parent)
-            self.hooks.on_save(path)
+        with shard.whole(self.unwrapped, self.value_model(), self.optimizer):  # sharded: gathered by every process
+            if self.acc.is_main_process:
+                state = {"update": self.progress.update, "episodes": self.progress.episodes,
+                         "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                         "prompts_consumed": consumed, "metrics": self.progress.metrics, "config": self.run_config()}
+                checkpoint.save(path, self.unwrapped, self.value_model(), self.tok, state,
+                                self.optimizer.state_dict(), rngs, root=self.work.parent)
+                self.hooks.on_save(path)
         self.acc.wait_for_everyone()
         return path
 
@@ -537,11 +536,12 @@ class PPOTrainer:
         """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG, once
         `checkpoint.load` has checked all of it against this run. `force` (ppo.resume=force): a run config that
         changed continues with the new values (learning rates, schedule, weight decay from here on)."""
-        st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank, optimizer=self.optimizer,
-                             run_config=self.run_config(), force=force,
-                             states={"scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()})
         fresh = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(st["optimizer"])
+        with shard.whole(self.unwrapped, self.value_model(), self.optimizer):  # sharded: whole tensors into shards
+            st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank, optimizer=self.optimizer,
+                                 run_config=self.run_config(), force=force,
+                                 states={"scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()})
+            self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         if st["changed"]:
             self._continue_with(fresh)
@@ -622,9 +622,10 @@ class PPOTrainer:
         self.best = {"update": self.progress.update, "episodes": self.progress.episodes, "metric": name,
                      "value": metrics[name], "higher_is_better": sign > 0,
                      "eval": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
-        if self.acc.is_main_process:
-            evaluation.write_best(self.work / "best", self.unwrapped, self.value_model(), self.tok, self.best,
-                                  root=self.work.parent)
+        with shard.whole(self.unwrapped, self.value_model()):
+            if self.acc.is_main_process:
+                evaluation.write_best(self.work / "best", self.unwrapped, self.value_model(), self.tok, self.best,
+                                      root=self.work.parent)
         self.acc.wait_for_everyone()
 
     def check_finite_weights(self) -> None:

@@ -1,0 +1,229 @@
+"""Where PPO's models live: whole on every process (one process, or DDP replicas through accelerate), or sharded
+over the processes with FSDP2 (`device.strategy=fsdp`: torch's `fully_shard`, one unit per decoder layer).
+
+    model = place(model, device, sharded)            # build time: each model sharded as soon as it is built
+    policy, value, opt = prepare(acc, policy, value, opt)   # DDP wraps whole models; sharded ones stay as they are
+    with gathered(policy): policy.generate(...)      # sampling: the policy's weights all-gathered once
+    with whole(policy, value, opt): save / load      # what trains, read and written as whole tensors
+
+Sharded are the LoRA policy's base (its adapter-disabled self is the reference), the value model's trunk and the
+frozen reward model, with the trainable weights (LoRA matrices, value heads, or a fully trained value model) in
+the same units: each process's AdamW steps its own shards (the parameters are DTensors) and FSDP reduce-scatters
+their gradients after each backward. The PPO loop sees ordinary modules and calls these four functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlhf_cli.errors import RlhfError
+
+
+def fsdp_units(module: nn.Module | None) -> list[nn.Module]:
+    """The FSDP2 units inside `module` (empty: it is not sharded)."""
+    if module is None or not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(obj) -> bool:
+    """Whether a module or an optimizer holds sharded parameters (DTensors)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    params = obj.parameters() if isinstance(obj, nn.Module) else \
+        (p for g in getattr(obj, "param_groups", ()) for p in g["params"])
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the modules transformers names as never to be split (`_no_split_modules`)."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RlhfError(f"device.strategy=fsdp shards per decoder layer, and {type(model).__name__} names none "
+                        "(_no_split_modules); use device=ddp for this model")
+    return layers
+
+
+@functools.cache
+def _mesh(device_type: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world,))
+
+
+def place(model: nn.Module | None, device: torch.device, sharded: bool,
+          reshard_after_forward: bool = True) -> nn.Module | None:
+    """`model` on `device`: moved there whole, or (`sharded`) split over all processes in place, each decoder
+    layer one FSDP unit (all-gathered just before its forward, freed after it with `reshard_after_forward`) and
+    the rest (embeddings, final norm, heads) the root unit, freed after its forward. The root is the module the code calls: the causal LM
+    inside a PEFT model (PEFT calls it), a `TokenValueModel` itself (its `score_at` registered as a forward
+    too), the `TokenValueModel` inside a reward model that reads texts. Trainable weights are broadcast from
+    process 0 first, as DDP does, so that a random initialisation (LoRA's A, a new score head) agrees."""
+    if model is None:
+        return None
+    if not sharded:
+        return model.to(device)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    root = getattr(model, "scorer", model)  # a TextRewardModel scores through its TokenValueModel
+    if hasattr(root, "peft_config"):
+        root = root.get_base_model()
+    with torch.no_grad():
+        for p in root.parameters():
+            if p.requires_grad:
+                t = p.data.to(device)
+                dist.broadcast(t, 0)
+                p.data.copy_(t)
+    mesh = _mesh(device.type, dist.get_world_size())
+    for layer in decoder_layers(root):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        layer.rlhf_reshard_after_forward = reshard_after_forward  # what `gathered` restores
+    # The root reshards after its forward too (FSDP's default keeps the root gathered until the backward): PEFT
+    # switches its adapter's requires_grad off and on around the reference's forward, on the parameters registered
+    # at that moment; were they the gathered copies, the sharded weights that train (a LoRA on lm_head) would stay
+    # frozen. The price is one more all-gather of the root (embeddings, heads) per backward.
+    fully_shard(root, mesh=mesh, reshard_after_forward=True)
+    root.rlhf_reshard_after_forward = True
+    if hasattr(root, "score_at"):
+        register_fsdp_forward_method(root, "score_at")
+    return model
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`place` with the run's settings: `Placement.of(cfg, device)(model)`; whole models stay where they were
+    built unless sharded (`device.strategy=fsdp`)."""
+
+    device: torch.device
+    sharded: bool = False
+    reshard_after_forward: bool = True  # device.fsdp.reshard_after_forward
+
+    @classmethod
+    def of(cls, cfg, device) -> Placement:
+        from rlhf_cli.launch import strategy
+
+        d = cfg.device
+        return cls(torch.device(device), strategy(d) == "fsdp",
+                   bool(d.get("fsdp", {}).get("reshard_after_forward", True)))
+
+    @property
+    def load_device(self) -> torch.device:
+        """Where a model is built: on the CPU when it is sharded next (FSDP moves each shard to the device), so
+        that an accelerator never holds a whole model."""
+        return torch.device("cpu") if self.sharded else self.device
+
+    def __call__(self, model: nn.Module | None) -> nn.Module | None:
+        return place(model, self.device, True, self.reshard_after_forward) if self.sharded else model
+
+
+def prepare(accelerator, policy: nn.Module, value: nn.Module | None, optimizer):
+    """(policy, value, optimizer) ready to train: sharded models as they are (FSDP syncs their gradients), whole
+    ones through accelerate (DDP replicas when several processes run; value None: critic-free)."""
+    if is_sharded(policy):
+        return policy, value, optimizer
+    if value is None:
+        policy, optimizer = accelerator.prepare(policy, optimizer)
+        return policy, None, optimizer
+    return accelerator.prepare(policy, value, optimizer)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """`model`'s sharded weights all-gathered once and kept whole inside (every process enters it together; a
+    whole model: nothing happens). Sampling runs one forward per token: gathering each layer in every forward
+    would cost layers × response_length all-gathers per chunk, each a round trip between processes, and would
+    hold the processes in lockstep token by token although their responses stop at different lengths. Gathered,
+    the forwards need no collective at all. The price is one whole copy of the policy while sampling; the value
+    and reward models stay sharded and gather layer by layer in their one forward per chunk."""
+    units = fsdp_units(model)
+    if not units:
+        yield model
+        return
+    for u in units:
+        u.unshard()
+        u.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        for u in units:
+            u.reshard()
+            u.set_reshard_after_forward(bool(getattr(u, "rlhf_reshard_after_forward", True)), recurse=False)
+
+
+def full(t):
+    """A sharded tensor (DTensor) gathered whole (a collective: every process calls it); else `t` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _full_module_state(module: nn.Module) -> dict:
+    """`module.state_dict()` with whole tensors: what trains for a PEFT model (its adapter and saved modules;
+    the frozen base is never written), everything else. A tensor under two names (tied) stays one tensor."""
+    sd = module.state_dict()
+    if hasattr(module, "peft_config"):
+        trains = {n for n, p in module.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in sd.items() if k in trains}
+    done: dict[int, torch.Tensor] = {}
+    return {k: done.setdefault(id(v), full(v)) for k, v in sd.items()}
+
+
+def _full_optimizer_state(optimizer) -> dict:
+    sd = optimizer.state_dict()
+    return {**sd, "state": {pid: {k: full(v) for k, v in st.items()} for pid, st in sd["state"].items()}}
+
+
+def _shards(p, v):
+    """Whole tensor `v` cut to this process's shard of parameter `p` (no communication: every process holds `v`);
+    `v` itself where `p` is not sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor) and torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.shape:
+        return distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    return v
+
+
+def _sharded_module_state(module: nn.Module, sd: dict) -> dict:
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {k: _shards(params[k], v) if k in params else v for k, v in sd.items()}
+
+
+def _sharded_optimizer_state(optimizer, sd: dict) -> dict:
+    """A whole optimizer state (`_full_optimizer_state`, or one written by a whole run) cut to this process's
+    shards of each parameter."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {**sd, "state": {pid: {k: _shards(params[int(pid)], v) for k, v in st.items()}
+                            for pid, st in sd["state"].items()}}
+
+
+@contextlib.contextmanager
+def whole(*objs):
+    """Sharded modules and optimizers among `objs` read and written as whole tensors inside: their `state_dict()`
+    returns whole tensors (gathered on entry, by every process together: one process may then save them) and
+    their `load_state_dict()` takes whole tensors, each process keeping its shards. Checkpoints thus hold what
+    trains whole, the same files as a whole run's, loadable by a run on any number of processes. Whole objects
+    and None pass through untouched."""
+    sharded = [o for o in objs if o is not None and is_sharded(o)]
+    for o in sharded:
+        load = type(o).load_state_dict
+        if isinstance(o, nn.Module):
+            o.state_dict = functools.partial(dict, _full_module_state(o))
+            o.load_state_dict = lambda sd, *a, _o=o, _load=load, **k: _load(_o, _sharded_module_state(_o, sd), *a, **k)
+        else:
+            o.state_dict = functools.partial(dict, _full_optimizer_state(o))
+            o.load_state_dict = lambda sd, _o=o, _load=load: _load(_o, _sharded_optimizer_state(_o, sd))
+    try:
+        yield
+    finally:
+        for o in sharded:
+            for name in ("state_dict", "load_state_dict"):
+                o.__dict__.pop(name, None)

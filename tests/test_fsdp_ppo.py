@@ -1,0 +1,130 @@
+"""PPO with its models sharded (FSDP2, `device=cpu-fsdp`: 2 CPU processes, gloo) against the same run on DDP
+replicas, and checkpoints written by a sharded run resumed sharded and on one process.
+
+Why the two runs can agree: both start from the same weights (LoRA's random A is broadcast from process 0 in both)
+and the same per-process RNG, sample with transformers' generate() (DDP with device.fast_paths=off, which fsdp
+turns off itself), and compute the same forwards on the same (gathered) weights. They differ only in how the
+gradients are summed over the processes (DDP all-reduces, FSDP reduce-scatters), which moves the weights by
+rounding, about 1e-7 relative after an update in fp32, so the second update samples the same tokens and every
+metric agrees to ~1e-7 (measured: 5e-8 at most). The tolerance, 1e-5 relative + 1e-6 absolute, leaves two orders
+of magnitude for another BLAS or summation order and still catches a real difference: a trained weight that
+stays frozen under sharding (the LoRA on the tiny recipe's lm_head did, before the root reshards after its
+forward) moved the first update's policy loss by 25%.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_dist import LONG_TEST, read, rlhf
+
+FSDP = ["device=cpu-fsdp", "device.threads=1"]
+DDP = ["device=cpu-ddp", "device.num_processes=2", "device.threads=1", "device.fast_paths=off"]
+PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.eval_every=0", "ppo.save_every=1"]
+UPDATES = 2
+RTOL, ATOL = 1e-5, 1e-6
+UNTIMED = ("time/", "eps")  # wall-clock figures differ between any two runs
+
+
+def scalars(run: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"] if not t.startswith(UNTIMED)}
+
+
+def differences(a: dict, b: dict) -> dict[str, float]:
+    """Per metric, the largest |a - b| beyond the tolerance (empty: they agree)."""
+    assert a.keys() == b.keys()
+    out = {}
+    for k in a:
+        assert len(a[k]) == len(b[k]) == UPDATES, (k, a[k], b[k])
+        worst = max(abs(x - y) - (ATOL + RTOL * abs(y)) for x, y in zip(a[k], b[k]))
+        if worst > 0:
+            out[k] = (a[k], b[k])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """SFT and reward on one process (a few steps), then the same PPO run on fsdp and on ddp."""
+    root = tmp_path_factory.mktemp("fsdp")
+    run = root / "runs" / "tiny"
+    for args in (["sft", "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5"],
+                 ["reward", "reward.max_steps=10", "reward.eval_steps=5"]):
+        rc, _, err = rlhf(root, *args, "device.threads=1")
+        assert rc == 0, err[-3000:]
+    rc, out, err = rlhf(root, "ppo", *FSDP, *PPO, f"ppo.output_dir={run / 'ppo-fsdp'}")
+    assert rc == 0, err[-3000:]
+    assert "--multi_gpu" in out + err and "fast paths: off under device.strategy=fsdp" in out + err
+    rc, _, err = rlhf(root, "ppo", *DDP, *PPO, f"ppo.output_dir={run / 'ppo-ddp'}")
+    assert rc == 0, err[-3000:]
+    return root, run
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_sharded_ppo_matches_ddp_update_by_update(runs):
+    _, run = runs
+    fsdp, ddp = scalars(run / "ppo-fsdp"), scalars(run / "ppo-ddp")
+    assert "loss/policy_avg" in fsdp and "objective/kl" in fsdp
+    assert not differences(fsdp, ddp)
+    # what trains is saved whole, under the same names as a whole run's: the same files, the same numbers
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(run / d / "adapter_model.safetensors")) for d in ("ppo-fsdp", "ppo-ddp"))
+    assert a.keys() == b.keys() and any("lm_head" in k for k in a)
+    for k in a:
+        assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() <= 1e-5, k
+    assert (run / "ppo-fsdp" / "value" / "model.safetensors").is_file()
+
+
+def _interrupted(run: Path, name: str) -> Path:
+    """The fsdp run as it was when its process was killed after checkpoint 1: its partial directory."""
+    partial = run / f".{name}.partial"
+    shutil.copytree(run / "ppo-fsdp", partial)
+    shutil.rmtree(partial / "checkpoints" / "checkpoint-2")
+    (partial / "metrics.json").unlink()
+    return partial
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_sharded_checkpoint_resumes_sharded_to_the_same_end(runs):
+    """Weights, optimizer moments (sharded differently than they were saved: whole in the file) and RNG come
+    back exactly: the resumed run's last update equals the uninterrupted run's."""
+    root, run = runs
+    _interrupted(run, "resumed")
+    rc, out, err = rlhf(root, "ppo", *FSDP, *PPO, f"ppo.output_dir={run / 'resumed'}", "ppo.resume=true")
+    assert rc == 0, err[-3000:]
+    assert "checkpoint-1" in out + err and "resumed from" in out + err
+    whole, resumed = read(run / "ppo-fsdp" / "metrics.json"), read(run / "resumed" / "metrics.json")
+    for k, v in whole.items():
+        if isinstance(v, float) and not k.startswith(UNTIMED) and k != "train_seconds":
+            assert resumed[k] == pytest.approx(v, rel=RTOL, abs=ATOL), k
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_sharded_checkpoint_resumes_on_one_process(runs):
+    """The checkpoint holds what trains whole: one process (twice the accumulation for the same batch) takes it
+    up with ppo.resume=force, which names the keys that changed. (The value embedding trains densely, as it does
+    on several processes: stepped row by row it would be another optimizer parameter.)"""
+    root, run = runs
+    _interrupted(run, "one")
+    rc, out, err = rlhf(root, "ppo", "device.threads=1", *PPO, "ppo.gradient_accumulation_steps=8",
+                        "ppo.sparse_value_embedding=false", f"ppo.output_dir={run / 'one'}", "ppo.resume=force")
+    assert rc == 0, err[-3000:]
+    assert "checkpoint-1" in out + err and "device.num_processes" in out + err
+    m = read(run / "one" / "metrics.json")
+    assert m["total_episodes"] == 128 and m["updates"] == UPDATES and m["world_size"] == 1
+    from peft import AutoPeftModelForCausalLM
+
+    AutoPeftModelForCausalLM.from_pretrained(run / "one")
