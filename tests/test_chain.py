@@ -218,8 +218,30 @@ def test_ppo_bad_inputs(chain, args, needles):
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-def test_ppo_tokenizer_mismatch(chain):
+OTHER_TEMPLATE = ("{%- for m in messages -%}{{- '[' + m['role'] + '] ' + m['content'] + '\\n' -}}{%- endfor -%}"
+                  "{%- if add_generation_prompt -%}{{- '[assistant] ' -}}{%- endif -%}")
+
+
+def test_a_reward_model_with_its_own_tokenizer_teaches_the_policy(chain):
+    """A reward model trained on another base (another vocabulary and chat template) rewards PPO: the policy's
+    held-out ground-truth rate rises, scored by that model in `rlhf eval` too."""
+    from transformers import AutoTokenizer
+
     from rlhf_cli.tiny import build_tiny_base
 
-    other = build_tiny_base(chain / "other_base", vocab_size=1000)
-    fails(rlhf(chain, "ppo", "device.threads=1", f"ppo.reward_dir={other}"), "tokenizer", "differs")
+    other = build_tiny_base(chain / "other_base", vocab_size=1000, seed=1)
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.chat_template = OTHER_TEMPLATE
+    tok.save_pretrained(str(other))
+    rm = "runs/tiny/reward_other"
+    ok(rlhf(chain, "reward", *QUICK, f"model.name_or_path={other}", "reward.init_from=base", f"reward.output_dir={rm}"))
+    # a value model cannot start from it: it reads the policy's tokens
+    fails(rlhf(chain, "ppo", "device.threads=1", f"ppo.reward_dir={rm}", "ppo.output_dir=runs/tiny/ppo_other"),
+          "ppo.value_init=reward", "tokenizer of its own", "ppo.value_init=sft")
+    ok(rlhf(chain, "ppo", "device.threads=1", f"ppo.reward_dir={rm}", "ppo.value_init=sft",
+            "ppo.output_dir=runs/tiny/ppo_other", "ppo.total_episodes=2048", "ppo.kl_coef=0.02", "ppo.eval_every=0"))
+    ok(rlhf(chain, "eval", "device.threads=1", f"eval.reward_dir={rm}", "eval.policies.ppo=runs/tiny/ppo_other",
+            "eval.output_dir=runs/tiny/eval_other", "eval.num_prompts=64"))
+    rows = json.loads((chain / "runs/tiny/eval_other/report.json").read_text())["policies"]
+    assert rows["ppo"]["ground_truth_rate"] >= rows["sft"]["ground_truth_rate"] + 0.05, rows
+    assert rows["ppo"]["rm_score_mean"] > rows["sft"]["rm_score_mean"] + 1.0, rows

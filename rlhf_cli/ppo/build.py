@@ -16,17 +16,15 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import read_json
 from rlhf_cli.models import (
     base_model_dir,
-    check_finite,
     check_vocab,
     fp32_trainables,
     load_policy,
     load_seq_cls,
-    load_tokenizer,
     lora_config,
-    same_vocab,
 )
 from rlhf_cli.ppo.config import REWARD_MODEL
 from rlhf_cli.ppo.forward import TokenValueModel
+from rlhf_cli.ppo.reward_model import load_reward_model, own_tokenizer, refuse_value_from
 from rlhf_cli.ppo.shard import Placement
 
 log = logging.getLogger("rlhf")
@@ -57,12 +55,12 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
     use_rm = REWARD_MODEL in sources
     policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
     check_context(cfg, policy_dir)
-    reward_dir = None
+    reward_dir = rm_tok = None
     if use_rm:
         reward_dir = require_dir(p.reward_dir, "reward model (ppo.reward_dir)", "rlhf reward", marker="config.json")
-        if not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
-            raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({policy_dir}); "
-                            "train the reward model from the same base (rlhf reward) or point ppo.reward_dir at one")
+        rm_tok = own_tokenizer(reward_dir, tok, cfg)  # None: it reads the policy's token ids
+        if rm_tok is not None and str(p.advantage) == "gae" and str(p.value_init) == "reward":
+            raise refuse_value_from(reward_dir)
     place = Placement.of(cfg, device)
     policy, ref = _policy(cfg, tok, policy_dir, device, storage)
     if place.sharded:  # each model sharded as soon as it is built: never two whole models in one process
@@ -78,17 +76,13 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
     if str(p.advantage) == "gae":
         value, value_src = _value(cfg, tok, place.load_device, storage, policy_dir, reward_dir, stats)
         value = place(value)
-    reward = None
-    if use_rm:
-        reward = load_seq_cls(reward_dir, tok, storage, cfg.model, trained_head=True).eval().requires_grad_(False)
-        check_finite(reward, "the reward model", reward_dir)
-        reward = TokenValueModel(reward).to(device).eval()
+    reward = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok) if use_rm else None
     reward = place(reward)
     fp32_trainables(policy)
     models = PPOModels(policy=policy, ref=ref, value=value, reward=reward, score_stats=stats,
                        value_source=str(value_src))
     if paths is not None:
-        paths.install(policy, ref, value, reward)
+        paths.install(policy, ref, value, getattr(reward, "scorer", reward))
         emb = paths.value_embedding(value, world, float(p.weight_decay))
         if emb is not None:
             models.on_optimizer.append(emb.attach)

@@ -1,14 +1,28 @@
-"""What `rlhf ppo` shows on the console while it trains: a progress bar over episodes, one line per update and
-one per held-out evaluation."""
+"""What `rlhf ppo` shows on the console and in its log: the run's settings before it starts, a progress bar over
+episodes, one line per update and one per held-out evaluation."""
 
 from __future__ import annotations
 
 import logging
 
 from rlhf_cli.ppo import checkpoint
+from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.trainer import PPOTrainer
 
 log = logging.getLogger("rlhf")
+
+
+def describe_run(c: PPOConfig, sizes, world: int, value_source: str, storage, compute, recompute: bool) -> None:
+    """The run's batch arithmetic, precision and reward, in the log before the first update."""
+    dt = lambda d: str(d).replace("torch.", "")  # noqa: E731
+    log.info("ppo: %d updates × %d episodes (%d process(es) × %d micro × %d accumulation × %d mini-batches), "
+             "%d PPO epochs, response_length %d, lr %g, kl_coef %g; value model from %s; weights %s, compute %s%s",
+             sizes.num_updates, sizes.batch_size, world, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
+             sizes.num_mini_batches, c.num_ppo_epochs, c.response_length, c.learning_rate, c.kl_coef, value_source,
+             dt(storage), dt(compute) if compute else "float32", ", log-probs recomputed" if recompute else "")
+    if c.advantage != "gae" or c.samples_per_prompt > 1 or c.reward != (REWARD_MODEL,):
+        log.info("ppo: advantage %s, %d response(s) per prompt; reward %s", c.advantage, c.samples_per_prompt,
+                 " + ".join(f"{w:g}·{spec}" for spec, w in zip(c.reward, c.weights())))
 
 
 def update_line(update: int, num_updates: int, m: dict[str, float]) -> str:

@@ -22,20 +22,16 @@ import torch
 
 from rlhf_cli import accel
 from rlhf_cli.config import require_dir
-from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir, check_output_dir, read_json, write_json
 from rlhf_cli.models import (
-    check_finite,
     check_vocab,
     load_policy,
-    load_seq_cls,
     load_tokenizer,
     resolve_precision,
-    same_vocab,
     setup_torch,
 )
 from rlhf_cli.ppo.evaluation import mean, sample_and_score, summarise
-from rlhf_cli.ppo.forward import TokenValueModel
+from rlhf_cli.ppo.reward_model import know_prompts, load_reward_model, own_tokenizer
 from rlhf_cli.stages import _sampling
 
 log = logging.getLogger("rlhf")
@@ -129,16 +125,12 @@ def run(cfg) -> None:
     policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
                    for name, path in e.policies.items()}
     tok = load_tokenizer(ref_dir, cfg.model)
-    if reward_dir is not None and not same_vocab(tok, load_tokenizer(reward_dir, cfg.model)):
-        raise RlhfError(f"the reward model's tokenizer ({reward_dir}) differs from the policy's ({ref_dir})")
+    rm_tok = own_tokenizer(reward_dir, tok, cfg) if reward_dir is not None else None
     prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
     gt, rows = _sampling.ground_truth(cfg, evals), _sampling.rows(evals)
 
-    rm = None
-    if reward_dir is not None:
-        rm_model = load_seq_cls(reward_dir, tok, storage, cfg.model, trained_head=True)
-        check_finite(rm_model, "the reward model", reward_dir)
-        rm = TokenValueModel(rm_model).to(device).eval()
+    rm = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok) if reward_dir is not None else None
+    know_prompts(rm, (prompts, evals))
     ref = load_policy(ref_dir, storage, cfg.model, merge=True).to(device).eval()
     s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
                            recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True,

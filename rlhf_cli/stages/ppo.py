@@ -26,10 +26,11 @@ from rlhf_cli.models import check_vocab, load_tokenizer, merge_lora, resolve_pre
 from rlhf_cli.ppo import checkpoint, evaluation, shard
 from rlhf_cli.ppo.build import build_ppo_models
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
+from rlhf_cli.ppo.reward_model import know_prompts
 from rlhf_cli.ppo.rewards import RewardFunction
 from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
-from rlhf_cli.stages._console import console, show_evaluations
+from rlhf_cli.stages._console import console, describe_run, show_evaluations
 from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
@@ -76,6 +77,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     work = out.parent / f".{out.name}.partial"
     paths = accel.configure(cfg, acc.device.type)
     models = build_ppo_models(cfg, tok, acc.device, storage, paths, acc.num_processes)
+    know_prompts(models.reward, (prompts, examples), held_out)  # a reward model with its own tokenizer needs them
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
     vocab = check_vocab(tok, models.policy, policy_dir)
     sampling = _sampling.sampling(cfg, tok, vocab, recompute, engine=paths.sampler,
@@ -94,7 +96,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
         trainer.resume(ckpt, force=p.resume == "force")
         log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
                  trainer.progress.episodes)
-    describe(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
+    describe_run(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
     if evaluator is not None:
         log.info("ppo: every %d updates and after the last, %d held-out prompts sampled with the eval settings "
                  "(eval/* metrics)%s", c.eval_every, len(evaluator.prompts),
@@ -115,19 +117,6 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     acc.wait_for_everyone()
     acc.end_training()
     return metrics
-
-
-def describe(c: PPOConfig, sizes, world: int, value_source: str, storage, compute, recompute: bool) -> None:
-    """The run's batch arithmetic, precision and reward in the log."""
-    dt = lambda d: str(d).replace("torch.", "")  # noqa: E731
-    log.info("ppo: %d updates × %d episodes (%d process(es) × %d micro × %d accumulation × %d mini-batches), "
-             "%d PPO epochs, response_length %d, lr %g, kl_coef %g; value model from %s; weights %s, compute %s%s",
-             sizes.num_updates, sizes.batch_size, world, sizes.micro_batch_size, sizes.gradient_accumulation_steps,
-             sizes.num_mini_batches, c.num_ppo_epochs, c.response_length, c.learning_rate, c.kl_coef, value_source,
-             dt(storage), dt(compute) if compute else "float32", ", log-probs recomputed" if recompute else "")
-    if c.advantage != "gae" or c.samples_per_prompt > 1 or c.reward != (REWARD_MODEL,):
-        log.info("ppo: advantage %s, %d response(s) per prompt; reward %s", c.advantage, c.samples_per_prompt,
-                 " + ".join(f"{w:g}·{spec}" for spec, w in zip(c.reward, c.weights())))
 
 
 def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:
