@@ -4,7 +4,8 @@
 # eval -> export -> chat. Prints per stage wall time and peak RSS, and per PPO phase (generation, scoring,
 # training) seconds and response tokens/s, episodes/s and peak GPU memory beside `rlhf doctor`'s plan.
 #
-# First the GPU tests (-m gpu): the speed paths give the same numbers as the stock code on CUDA.
+# First the GPU tests (-m gpu): the speed paths give the same numbers as the stock code on CUDA; on two GPUs or
+# more, PPO under ddp and fsdp and a sharded sft on the tiny demo.
 #
 #   bash bench/gpu_check.sh [RUN_DIR]        # ~5 min on one H100/H200-class GPU; nothing in CI needs a GPU
 set -euo pipefail
@@ -27,5 +28,19 @@ PY
 # the speed paths of rlhf_cli/accel against the stock code on this GPU (device.fast_paths=on vs off): the same
 # numbers are what a path needs before `auto` may turn it on for CUDA (rlhf_cli.accel.PROVEN_ON)
 .venv/bin/python -m pytest -q -m gpu tests/test_fast_paths.py
+# several GPUs: the tiny demo chain's PPO replicated (ddp) and sharded (fsdp), and a sharded sft, each rank on its
+# own GPU; NCCL takes only tensors on the process's GPU, so a misplaced one ends these runs
+GPUS=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+  MULTI="$RUN_DIR/multi"
+  Q=(device.num_processes=2 ppo.total_episodes=256 sft.max_steps=60 reward.max_steps=40 run_dir="$MULTI")
+  .venv/bin/rlhf sft device=ddp "${Q[@]}" && .venv/bin/rlhf reward device=ddp "${Q[@]}"
+  .venv/bin/rlhf ppo device=ddp "${Q[@]}" ppo.output_dir="$MULTI/ppo-ddp"
+  .venv/bin/rlhf ppo device=fsdp "${Q[@]}" ppo.output_dir="$MULTI/ppo-fsdp"
+  .venv/bin/rlhf ppo device=fsdp "${Q[@]}" ppo.output_dir="$MULTI/ppo-fsdp-layers" device.fsdp.gather_for_sampling=false
+  .venv/bin/rlhf sft device=fsdp "${Q[@]}" sft.output_dir="$MULTI/sft-fsdp"
+else
+  echo "one GPU: the ddp / fsdp runs need two (skipped)"
+fi
 exec .venv/bin/python bench/real_check.py --device cuda --precision bf16 --recipe-batches --response-length 200 \
   --run-dir "$RUN_DIR"
