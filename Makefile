@@ -10,12 +10,12 @@ ARGS ?=
 TORCH_INDEX ?=
 RLHF := $(BIN)/rlhf
 
-.PHONY: help install sft reward ppo eval chain chain-grpo chain-rule chat test test-fast bench bench-real real-check gpu-check dist clean
+.PHONY: help install sft reward ppo dpo eval chain chain-grpo chain-rule chain-dpo chat test test-fast bench bench-real real-check gpu-check dist clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)' TORCH_INDEX='$(TORCH_INDEX)'   recipes: tiny tiny-grpo tiny-rule qwen3-0.6b (rlhf recipes)"
+	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)' TORCH_INDEX='$(TORCH_INDEX)'   recipes: tiny tiny-grpo tiny-rule tiny-dpo qwen3-0.6b (rlhf recipes)"
 	@echo "  CPU-only machine, first install: make chain TORCH_INDEX=https://download.pytorch.org/whl/cpu"
 
 install: $(VENV)/.installed ## create .venv with the project and its test tools
@@ -38,6 +38,9 @@ reward: install ## reward model          -> runs/<recipe>/reward
 ppo: install ## PPO (LoRA policy)     -> runs/<recipe>/ppo
 	$(RLHF) ppo recipe=$(RECIPE) $(ARGS)
 
+dpo: install ## DPO (LoRA policy)     -> runs/<recipe>/dpo
+	$(RLHF) dpo recipe=$(RECIPE) $(ARGS)
+
 eval: install ## SFT vs PPO report     -> runs/<recipe>/eval
 	$(RLHF) eval recipe=$(RECIPE) $(ARGS)
 
@@ -52,6 +55,11 @@ chain-grpo: install ## the tiny chain with GRPO (4 responses per prompt, no valu
 
 chain-rule: install ## the tiny chain rewarded by the politeness rule (no reward model in ppo)
 	$(MAKE) chain RECIPE=tiny-rule ARGS='$(ARGS)'
+
+chain-dpo: install ## the tiny chain with DPO instead of reward + PPO: sft -> dpo -> eval (recipe tiny-dpo)
+	$(RLHF) sft recipe=tiny-dpo $(ARGS)
+	$(RLHF) dpo recipe=tiny-dpo $(ARGS)
+	$(RLHF) eval recipe=tiny-dpo $(ARGS)
 
 chat: install ## chat with the newest trained policy (PPO, else SFT; ARGS="chat.model_dir=..." for another)
 	$(RLHF) chat recipe=$(RECIPE) $(ARGS)

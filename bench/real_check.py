@@ -5,11 +5,12 @@ Builds Qwen3-0.6B's architecture with random weights (vocab rows 151,936, hidden
 (~2,000 tokens: smaller than the embedding, as real Qwen3's 151,669 tokens are), then runs the `qwen3-0.6b`
 recipe's chain with small batches:
 
-    sft -> reward -> ppo (2 updates) -> eval -> export -> chat
+    sft -> reward -> ppo (2 updates) -> dpo (2 steps) -> eval -> export -> chat
 
 and prints, per stage: exit code, wall time, peak RSS, and `rlhf doctor`'s plan for the same settings.
 
     .venv/bin/python bench/real_check.py                       # bf16 (the GPU dtype) on the CPU
+    .venv/bin/python bench/real_check.py --stages sft,dpo      # some stages only (dpo and reward read sft's output)
     .venv/bin/python bench/real_check.py --precision fp32
     .venv/bin/python bench/real_check.py --device cuda          # the same chain on a GPU (see bench/gpu_check.sh)
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RLHF = Path(sys.executable).with_name("rlhf")
+STAGES = ("sft", "reward", "ppo", "dpo", "eval", "export", "chat")  # the chain, in order
 
 ARCH = ["model.name_or_path=tiny", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=3072",
         "model.tiny.num_hidden_layers=28", "model.tiny.num_attention_heads=16", "model.tiny.num_key_value_heads=8",
@@ -43,7 +45,7 @@ def overrides(run_dir: Path, eval_file: Path, precision: str, device: str, threa
     dev = ["device=cpu", f"device.threads={threads}"] if device == "cpu" else ["device=cuda"]
     common = ["recipe=qwen3-0.6b", f"run_dir={run_dir}", *ARCH, *prec, *dev, "data=demo",
               "data.ground_truth=demo_polite", f"data.eval_path={eval_file}", "sft.max_steps=2", "reward.max_steps=2",
-              f"ppo.response_length={response_length}", "ppo.save_every=1", "eval.num_prompts=4"]
+              f"ppo.response_length={response_length}", "ppo.save_every=1", "eval.num_prompts=4", "dpo.max_steps=2"]
     if recipe_batches:  # the recipe's own per-device batches: 32 episodes per update, 2 updates
         return [*common, "data.max_rows=256", "ppo.total_episodes=64"]
     return [*common, "data.max_rows=64",
@@ -54,7 +56,8 @@ def overrides(run_dir: Path, eval_file: Path, precision: str, device: str, threa
             "reward.max_length=128",
             "ppo.total_episodes=4", "ppo.per_device_train_batch_size=2", "ppo.gradient_accumulation_steps=1",
             "ppo.num_mini_batches=1", "ppo.rollout_forward_batch_size=2", "ppo.learning_rate=1e-5",
-            "eval.batch_size=2"]
+            "dpo.per_device_train_batch_size=2", "dpo.gradient_accumulation_steps=1", "dpo.per_device_eval_batch_size=4",
+            "dpo.eval_steps=100", "dpo.logging_steps=1", "dpo.max_length=128", "eval.batch_size=2"]
 
 
 def run_stage(args: list[str], log: Path) -> tuple[int, float, float]:
@@ -70,7 +73,7 @@ def run_stage(args: list[str], log: Path) -> tuple[int, float, float]:
 
 
 def doctor_plans(ov: list[str]) -> dict[str, float]:
-    """GiB per process that `rlhf doctor` plans for sft, reward and ppo with these overrides."""
+    """GiB per process that `rlhf doctor` plans for sft, reward, ppo and dpo with these overrides."""
     from rlhf_cli import memory
     from rlhf_cli.config import compose
     from rlhf_cli.stages.doctor import data_lengths
@@ -78,7 +81,7 @@ def doctor_plans(ov: list[str]) -> dict[str, float]:
     cfg = compose("doctor", ov)
     arch = memory.arch_for_model(cfg.model)[0]
     setup = memory.setup_from(cfg, 0, data_lengths(cfg))  # the data's lengths, as `rlhf doctor` plans
-    return {st: memory.plan_stage(cfg, st, arch, setup).peak / 1024 ** 3 for st in ("sft", "reward", "ppo")}
+    return {st: memory.plan_stage(cfg, st, arch, setup).peak / 1024 ** 3 for st in ("sft", "reward", "ppo", "dpo")}
 
 
 def changed_share(run_dir: Path) -> dict[str, float]:
@@ -96,6 +99,15 @@ def changed_share(run_dir: Path) -> dict[str, float]:
         changed = sum(int((end[k].float() != start[k].float()).sum()) for k in end)
         shares[name] = round(changed / sum(v.numel() for v in end.values()), 4)
     return shares
+
+
+def dpo_moved(run_dir: Path) -> float:
+    """Share of the DPO adapter's B matrices that are no longer zero (LoRA starts them at zero; A starts random, so
+    B's elements are the ones that show training moved the adapter)."""
+    from safetensors.torch import load_file
+
+    b = [v for k, v in load_file(str(run_dir / "dpo" / "adapter_model.safetensors")).items() if "lora_B" in k]
+    return round(sum(int((v != 0).sum()) for v in b) / sum(v.numel() for v in b), 4)
 
 
 def ppo_phases(m: dict, plan_gib: float) -> dict:
@@ -122,15 +134,22 @@ def main(argv=None) -> int:
     ap.add_argument("--response-length", type=int, default=16)
     ap.add_argument("--recipe-batches", action="store_true",
                     help="the recipe's own batch sizes (32 episodes per PPO update) instead of batches of 2")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="the stages to run, in this order (reward, ppo and dpo read sft's output, eval also ppo's, "
+                         "export and chat ppo's): e.g. sft,dpo")
     a = ap.parse_args(argv)
+    chosen = [s for s in a.stages.split(",") if s]
+    if not chosen or set(chosen) - set(STAGES):
+        ap.error(f"--stages: choose from {', '.join(STAGES)}")
     run_dir = Path(a.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     eval_file = run_dir / "eval_prompts.jsonl"
     test_rows = (REPO / "rlhf_cli/demo/data/polite_test.jsonl").read_text(encoding="utf-8").splitlines()[:8]
     eval_file.write_text("\n".join(test_rows) + "\n", encoding="utf-8")
     ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length, a.recipe_batches)
-    stages = [("sft", []), ("reward", []), ("ppo", []), ("eval", []), ("export", []),
-              ("chat", ["prompt=hello", "chat.model_dir=" + str(run_dir / "ppo"), "chat.max_new_tokens=8"])]
+    extra = {"eval": ["eval.policies.dpo=" + str(run_dir / "dpo")] if "dpo" in chosen else [],
+             "chat": ["prompt=hello", "chat.model_dir=" + str(run_dir / "ppo"), "chat.max_new_tokens=8"]}
+    stages = [(s, extra.get(s, [])) for s in STAGES if s in chosen]
     rows = []
     for stage, extra in stages:
         rc, wall, rss = run_stage([stage, *ov, *extra], run_dir / f"{stage}.log")
@@ -146,12 +165,17 @@ def main(argv=None) -> int:
         r["rss_vs_plan"] = round(r["peak_rss_gib"] / plan, 3) if plan else None
     result = {"precision": a.precision, "device": a.device, "threads": a.threads, "stages": rows}
     if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages):
-        result["eval"] = json.loads((run_dir / "eval" / "report.json").read_text())["policies"]
-        result["changed_in_last_update"] = changed_share(run_dir)
-        m = result["ppo_metrics"] = json.loads((run_dir / "ppo" / "metrics.json").read_text())
-        result["ppo_phases"] = ppo_phases(m, plans["ppo"])
-        print(json.dumps(result["ppo_phases"]))
-        print(json.dumps({k: result[k] for k in ("changed_in_last_update", "eval")}))
+        if "eval" in chosen:
+            result["eval"] = json.loads((run_dir / "eval" / "report.json").read_text())["policies"]
+        if "ppo" in chosen:
+            result["changed_in_last_update"] = changed_share(run_dir)
+            m = result["ppo_metrics"] = json.loads((run_dir / "ppo" / "metrics.json").read_text())
+            result["ppo_phases"] = ppo_phases(m, plans["ppo"])
+            print(json.dumps(result["ppo_phases"]))
+        if "dpo" in chosen:
+            result["dpo_lora_b_moved"] = dpo_moved(run_dir)
+            result["dpo_metrics"] = json.loads((run_dir / "dpo" / "metrics.json").read_text())
+        print(json.dumps({k: result[k] for k in ("changed_in_last_update", "dpo_lora_b_moved", "eval") if k in result}))
     (run_dir / "real_check.json").write_text(json.dumps(result, indent=2) + "\n")
     print("\n| stage | exit | wall (s) | peak RSS (GiB) | doctor plan (GiB) | RSS / plan |\n|---|---|---|---|---|---|")
     for r in rows:

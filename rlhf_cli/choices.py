@@ -2,8 +2,8 @@
 on a value imports its list from here. Imports nothing (the doctor and `--help` stay torch-free)."""
 
 # ---- commands and stages
-COMMANDS = ("sft", "reward", "ppo", "eval", "chat", "export", "doctor")   # `command`, set by the dispatcher
-TRAIN_STAGES = ("sft", "reward", "ppo")   # doctor.stages: the stages rlhf_cli.memory plans
+COMMANDS = ("sft", "reward", "ppo", "dpo", "eval", "chat", "export", "doctor")   # `command`, set by the dispatcher
+TRAIN_STAGES = ("sft", "reward", "ppo", "dpo")   # doctor.stages: the stages rlhf_cli.memory plans
 
 # ---- model and data
 MODEL_HUBS = ("modelscope", "hf")                            # model.hub
@@ -37,6 +37,10 @@ LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")          # ppo.loss_aggregat
 KL_ESTIMATORS = ("k1", "k3", "abs", "mse")                   # ppo.kl_estimator, ppo.kl_loss_estimator
 STOP_TOKENS = ("eos", None)                                  # ppo.stop_token; None: fixed-length responses
 RECOMPUTE_LOGPROBS = ("auto", True, False)                   # ppo.recompute_logprobs
+
+# ---- dpo: trl DPOConfig's loss types for pairs (its "sft" term is dpo.rpo_alpha; "aot_unpaired" is for unpaired data)
+DPO_LOSSES = ("sigmoid", "ipo", "robust", "hinge", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
+              "apo_zero", "apo_down", "discopop", "sigmoid_norm")
 
 # ---- logging
 REPORT_TO = ("tensorboard", "wandb")                         # logging.report_to (rlhf_cli.tracking)

@@ -50,6 +50,7 @@ commands (chained through <run_dir>/<stage> directories):
   sft      supervised fine-tuning (trl SFTTrainer)        writes <run_dir>/sft
   reward   Bradley-Terry reward model (trl RewardTrainer) reads sft,          writes <run_dir>/reward
   ppo      PPO, LoRA policy, base as reference            reads sft + reward, writes <run_dir>/ppo
+  dpo      direct preference optimisation (trl DPOTrainer) reads sft,         writes <run_dir>/dpo
   eval     SFT vs PPO on held-out prompts, plots          reads sft + reward + ppo, writes <run_dir>/eval
   chat     answer prompts from stdin, or prompt="..." once
   export   write the PPO policy as a merged full model    writes <run_dir>/ppo/merged
@@ -142,7 +143,7 @@ def _terminated(signum, frame) -> None:
 
 def _resume_hint(cfg) -> str:
     """What continues the stopped stage ("sft.resume=true continues from checkpoint-40")."""
-    if cfg.get("command") not in ("sft", "reward", "ppo"):
+    if cfg.get("command") not in ("sft", "reward", "ppo", "dpo"):
         return "completed outputs are intact"
     try:
         from rlhf_cli.stages._common import resume_hint

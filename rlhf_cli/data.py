@@ -278,8 +278,9 @@ def load_examples(data_cfg, need_rejected: bool = True,
     if need_rejected:
         for name, exs in (("train", train), ("eval", evals)):
             if exs and exs[0].rejected is None:
-                raise RlhfError(f"data.{name}_path has no rejected answers: this stage needs preference pairs "
-                                "(question/chosen/rejected or prompt/chosen/rejected)")
+                path = data_cfg.train_path if name == "train" else data_cfg.eval_path or data_cfg.train_path
+                raise RlhfError(f"data.{name}_path has no rejected answers ({path}): this stage needs preference "
+                                "pairs; give rows with question/chosen/rejected or prompt/chosen/rejected")
         train = drop_ties(train, str(data_cfg.train_path))
         evals = drop_ties(evals, str(data_cfg.eval_path or data_cfg.train_path))
     if need_answers:
@@ -309,6 +310,15 @@ def prompt_text(tokenizer, messages: list[dict], enable_thinking: bool = False, 
         return "\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=enable_thinking)
+
+
+def pair_rows(examples: list[Example], tokenizer, enable_thinking: bool = False,
+              chat_template: bool = True) -> list[dict]:
+    """Preference pairs in trl's standard explicit format (the reward and DPO trainers): the prompt rendered as
+    every stage renders it (`prompt_text`), the answers as text; trl appends EOS to each answer, so the pair is
+    exactly the token sequence a policy samples (prompt, response, EOS)."""
+    return [{"prompt": prompt_text(tokenizer, ex.prompt, enable_thinking, chat_template), "chosen": ex.chosen,
+             "rejected": ex.rejected} for ex in examples]
 
 
 def filter_long_prompts(examples: list[Example], tokenizer, max_prompt_length: int, source: str,

@@ -36,11 +36,11 @@ from rlhf_cli.errors import RlhfError
 log = logging.getLogger("rlhf")
 
 OUTPUT_MARKER = ".rlhf-output"
-STAGE_KINDS = ("sft", "reward", "ppo", "eval", "export")
+STAGE_KINDS = ("sft", "reward", "ppo", "dpo", "eval", "export")
 KINDS = (*STAGE_KINDS, "checkpoint")  # what a marker's "kind" names: the stage that wrote it, or a PPO checkpoint
 # markers of earlier versions name no kind: a stage still replaces one in the directory it writes by default
 # (`export` writes <ppo>/merged, or <job>/export in a multirun)
-_LEGACY_NAMES = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo",), "eval": ("eval",),
+_LEGACY_NAMES = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo",), "dpo": (), "eval": ("eval",),
                  "export": ("merged", "export")}
 
 Inputs = Iterable[str | Path | None]  # the directories a command reads: never its output

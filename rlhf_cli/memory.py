@@ -85,8 +85,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # trainer, thread pools. They follow the stages' code: re-measure when a stage changes what it allocates
 # (tests/test_doctor.py's slow test compares every stage with its plan).
 # GPUs: CUDA context and the caching allocator's reserve, an assumption (no GPU to measure here).
-RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 32},
-                        "cuda": {"sft": 768, "reward": 768, "ppo": 768}}
+# dpo: taken as sft's (the same trainer machinery and fused LM head), not fitted.
+RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 32, "dpo": 64},
+                        "cuda": {"sft": 768, "reward": 768, "ppo": 768, "dpo": 768}}
 # Peak RSS / peak live transient tensors: glibc's malloc raises its mmap threshold after frees, so freed
 # activation and logits buffers stay resident (measured 1.9-2.2 on the tiny PPO runs). PyTorch's CUDA caching
 # allocator fragments far less.
@@ -345,7 +346,7 @@ class Lengths:
     it and its tokenizer here; None: the plan takes the configured maximum."""
     prompt: int | None = None   # longest training prompt (chat template + assistant header)
     sft: int | None = None      # longest SFT row: prompt + answer + EOS (with sft_on_rejected, rejected too)
-    reward: int | None = None   # longest chosen or rejected sequence of the reward data
+    reward: int | None = None   # longest chosen or rejected sequence of the reward data (dpo reads the same pairs)
     source: str = "no data read"  # what was tokenized, with what; or why nothing was
 
 
@@ -396,10 +397,10 @@ def prompt_tokens(cfg, s: Setup) -> tuple[int, str]:
 
 
 def sequence_tokens(cfg, stage: str, s: Setup) -> tuple[int, str]:
-    """(sequence length the plan uses for sft / reward, what it is): the data's longest row cut at
+    """(sequence length the plan uses for sft / reward / dpo, what it is): the data's longest row cut at
     <stage>.max_length, else <stage>.max_length."""
     cap = int(cfg[stage].max_length)
-    n = {"sft": s.lengths.sft, "reward": s.lengths.reward}[stage]
+    n = {"sft": s.lengths.sft, "reward": s.lengths.reward, "dpo": s.lengths.reward}[stage]
     if n is None:
         return cap, f"{stage}.max_length={cap}"
     return min(n, cap), f"the data's longest row; {stage}.max_length={cap} caps it"
@@ -684,7 +685,55 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     return plan
 
 
-PLANNERS = dict(zip(TRAIN_STAGES, (plan_sft, plan_reward, plan_ppo)))  # the stages doctor.stages may name
+def plan_dpo(cfg, a: Arch, s: Setup) -> StagePlan:
+    """trl's DPOTrainer: each step runs the policy on chosen + rejected (2 × micro-batch sequences) with
+    gradients, then, while those activations are held, the reference on the same sequences without them (with
+    LoRA the policy with its adapter disabled, else a frozen copy in model.dtype), both through trl's fused LM
+    head; then the backward."""
+    st = cfg.dpo
+    plan = StagePlan("dpo")
+    cb = s.compute_bytes
+    p = causal_lm_params(a)
+    lora = bool(st.lora.enabled)
+    if lora:
+        _frozen(plan, s, "policy base", p, sharded=True)
+        plan.items.append(Item("reference", 0, "the policy base with its adapter disabled"))
+        targets, r = lora_targets(st.lora.target_modules), int(st.lora.r)
+        copies = _trainable(plan, s, "LoRA adapter", lora_params(a, r, targets), "LoRA")
+        kw = {"trainable": False, "lora": targets, "r": r, "residual_bytes": s.frozen_bytes}
+        plan.checkpoint = lora_params(a, r, targets) * (4 + 8)
+    else:
+        copies = _trainable(plan, s, "policy weights", p, "policy")
+        _frozen(plan, s, "reference weights", p, sharded=True)
+        kw = {"trainable": True, "residual_bytes": cb if s.strategy == "deepspeed" else 4}
+        plan.checkpoint = p * (4 + 8)
+    b, be = 2 * int(st.per_device_train_batch_size), 2 * int(st.per_device_eval_batch_size)
+    t, t_note = sequence_tokens(cfg, "dpo", s)
+    plan.notes.append(f"sequence length {t} tokens: {t_note}")
+    ckpt = bool(st.activation_checkpointing)
+    act = _activations(a, b, t, cb, ckpt, cast=_casts(s), **kw)
+    head = fused_head_bytes(a, b * t, cb, s.accelerator, True, not lora)
+    reference = b * t * layer_working_bytes(a, cb) + fused_head_bytes(a, b * t, cb, s.accelerator, False, False)
+    note = f"{b} sequences (chosen + rejected) × {t} tokens × {a.num_hidden_layers} layers"
+    plan.items.append(Item("activations", act, note + (" (checkpointed)" if ckpt else ""), "transient"))
+    plan.items.append(Item("LM head (fused, tiled)", head, f"trl's fused LM head over {b}·{t} tokens",
+                           "transient"))
+    plan.items.append(Item("reference forward", reference, f"{b} sequences, no gradients: one layer + the fused "
+                           "LM head, while the policy's activations are held", "transient"))
+    if copies:
+        plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
+                               "transient"))
+    plan.phases["training step"] = act + max(head, reference) + copies
+    # evaluation: the policy's forward, then the reference's, neither with gradients
+    ev = be * t * layer_working_bytes(a, cb) + fused_head_bytes(a, be * t, cb, s.accelerator, False, False)
+    plan.items.append(Item("evaluation", ev, f"{be} sequences × {t} tokens: one layer + the fused LM head",
+                           "transient"))
+    plan.phases["evaluation"] = ev
+    return plan
+
+
+# the stages doctor.stages may name
+PLANNERS = dict(zip(TRAIN_STAGES, (plan_sft, plan_reward, plan_ppo, plan_dpo)))
 
 
 def plan_stage(cfg, stage: str, a: Arch, s: Setup | None = None) -> StagePlan:
@@ -717,7 +766,7 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
                      f"{stage}.gradient_accumulation_steps": int(st.gradient_accumulation_steps) * 2}, {}))
     if stage == "sft" and int(st.per_device_eval_batch_size) > 1:
         out.append(({"sft.per_device_eval_batch_size": max(int(st.per_device_eval_batch_size) // 2, 1)}, {}))
-    if stage in ("sft", "reward"):
+    if stage in ("sft", "reward", "dpo"):
         if not bool(st.activation_checkpointing):
             out.append(({f"{stage}.activation_checkpointing": True}, {}))
         if s.accelerator == "cuda":

@@ -25,7 +25,7 @@ def current_job():
 
 
 # where each command writes; a multirun job writes there inside its own directory instead
-OUTPUT_KEYS = {"sft": "sft.output_dir", "reward": "reward.output_dir", "ppo": "ppo.output_dir",
+OUTPUT_KEYS = {"sft": "sft.output_dir", "reward": "reward.output_dir", "ppo": "ppo.output_dir", "dpo": "dpo.output_dir",
                "eval": "eval.output_dir", "export": "export.output_dir"}
 
 
@@ -53,7 +53,8 @@ def headline(command: str, output_dir: str | Path | None) -> tuple[str, float | 
         rates = report.get("win_rate") or {}
         first = next(iter(rates), None)
         return (f"win_rate/{first}", rates[first]) if first else ("win_rate", None)
-    key = {"sft": "eval_loss_end", "reward": "eval_accuracy", "ppo": "objective/scores"}.get(command)
+    key = {"sft": "eval_loss_end", "reward": "eval_accuracy", "ppo": "objective/scores",
+           "dpo": "eval_accuracy"}.get(command)
     if key is None:
         return None
     return key, _read_json(out / "metrics.json").get(key)

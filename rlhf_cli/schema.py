@@ -30,6 +30,7 @@ from rlhf_cli.choices import (
     COMMANDS,
     CPU_MATMUL,
     DATA_FORMATS,
+    DPO_LOSSES,
     DTYPES,
     FAST_PATHS,
     FSDP_STATE_DICT_TYPES,
@@ -52,7 +53,7 @@ from rlhf_cli.choices import (
 from rlhf_cli.errors import RlhfError
 
 # config groups whose keys are all known: anything else under them is a typo or a key that has gone
-GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "eval", "chat", "doctor", "export", "logging")
+GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "dpo", "eval", "chat", "doctor", "export", "logging")
 # keys that existed once: their own message instead of a guess
 RENAMED = {"ppo.target_kl_value": "ppo.adaptive_kl_target"}
 REMOVED = {"ppo.lora.dropout": "the PPO adapter trains without dropout (its old log-probs come from sampling "
@@ -113,7 +114,7 @@ LR = number(gt=0)
 
 
 def _trainer_keys(stage: str) -> dict[str, Rule]:
-    """The keys sft and reward share: TrainingArguments fields (rlhf_cli.stages._common.trainer_kwargs)."""
+    """The keys sft, reward and dpo share: TrainingArguments fields (rlhf_cli.stages._common.trainer_kwargs)."""
     return {f"{stage}.{k}": r for k, r in {
         "output_dir": text(),
         "learning_rate": LR,
@@ -290,6 +291,16 @@ SCHEMA: dict[str, Rule] = {
                          "run changed (rlhf_cli.ppo.checkpoint.compare_run_config)"),
     "ppo.fresh": flag(help="delete an interrupted run (its checkpoints) and start over"),
     "ppo.merge": flag(),
+    # ---- conf/stage/dpo.yaml
+    **_trainer_keys("dpo"),
+    **_lora_keys("dpo"),
+    "dpo.lora.dropout": number(0, lt=1),
+    "dpo.policy_dir": text(help="the SFT model DPO starts from; with LoRA also the reference"),
+    "dpo.loss_type": one_of(*DPO_LOSSES, help="trl DPOConfig.loss_type"),
+    "dpo.beta": number(gt=0, help="β: how far the policy may move from the reference (ipo: τ)"),
+    "dpo.label_smoothing": number(0, lt=0.5, help="robust: the share of flipped labels; exo_pair: ε (> 0)"),
+    "dpo.rpo_alpha": number(0, null=True, help="RPO: weight of the NLL of the chosen answers added to the loss; "
+                            "null / 0: none"),
     # ---- conf/stage/eval.yaml
     "eval.output_dir": text(),
     "eval.policies": Rule("mapping"),
@@ -331,7 +342,7 @@ def validate(cfg: DictConfig) -> None:
         raise RlhfError(first[1] + more)
 
 
-NEEDS_DATA = ("sft", "reward", "ppo", "eval")  # commands that read data.train_path
+NEEDS_DATA = ("sft", "reward", "ppo", "dpo", "eval")  # commands that read data.train_path
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -499,8 +510,10 @@ def check_value(key: str, value, rule: Rule) -> str | None:
     if rule.kind == "mapping":
         if not isinstance(value, dict) or not value:
             return f"{shown} is not a mapping of names to directories; use {allowed}"
-        bad = [k for k, v in value.items() if not isinstance(v, str) or not v]
-        return f"{key}.{bad[0]}={_show(value[bad[0]])} is not a directory; use {allowed}" if bad else None
+        bad = [k for k, v in value.items() if v is not None and (not isinstance(v, str) or not v)]
+        if bad:
+            return f"{key}.{bad[0]}={_show(value[bad[0]])} is not a directory; use {allowed}"
+        return None if any(v is not None for v in value.values()) else f"{shown} leaves nothing; use {allowed}"
     raise AssertionError(f"schema: unknown rule kind {rule.kind!r} for {key}")
 
 
@@ -528,7 +541,7 @@ def describe(rule: Rule) -> str:
     elif rule.kind == "modules":
         text_ = "a module name (all-linear) or a list such as [q_proj, v_proj]"
     elif rule.kind == "mapping":
-        text_ = "NAME: DIRECTORY entries (eval.policies.NAME=DIR)"
+        text_ = "NAME: DIRECTORY entries (eval.policies.NAME=DIR; eval.policies.NAME=null leaves one out)"
     elif rule.kind == "function":
         names = [_show(c) for c in rule.choices] + (["null"] if rule.nullable else [])
         return f"{' or '.join(names)}, or a function as module:function or /path/file.py:function"

@@ -81,6 +81,13 @@ CASES = [
     Case("ppo ppo.advantage=grpo", "ppo.advantage=grpo compares the responses to one prompt, but ppo.samples_per_prompt=1"),
     Case("ppo ppo.advantage=ppo", "ppo.advantage=ppo is unknown; use one of gae, grpo, rloo, reinforce_pp"),
     Case("ppo ppo.reward=[rewardmodel]", "ppo.reward: rewardmodel is not a reward source"),
+    # dpo
+    Case("dpo dpo.beta=0", "dpo.beta=0 is out of range; use a number > 0"),
+    Case("dpo dpo.beta=-0.1", "dpo.beta=-0.1 is out of range; use a number > 0"),
+    Case("dpo dpo.loss_type=kto", "dpo.loss_type=kto is unknown; use one of sigmoid, ipo, robust, hinge"),
+    Case("dpo dpo.label_smoothing=0.5", "dpo.label_smoothing=0.5 is out of range; use a number in [0, 0.5)"),
+    Case("dpo dpo.policy_dir=nowhere/sft", "SFT model (dpo.policy_dir) not found at nowhere/sft: run `rlhf sft` first"),
+    Case("dpo dpo.lora.target_modules=[q_proj,lm_head]", "dpo.lora.target_modules names lm_head"),
     # eval
     Case("eval eval.num_prompts=0", "eval.num_prompts=0 is out of range"),
     Case("eval eval.batch_size=abc", "eval.batch_size=abc is not an integer"),
@@ -110,6 +117,9 @@ CASES = [
          files=(("pairs.jsonl", '{"question": "q", "chosen": "a", "rejected": "b"}\n' * 4 + "\n\n\n\n"
                  + '{"question": "q"}\n'),), early=False),
     Case("sft device=cuda model.tiny.dir={tiny_base}", "needs a CUDA GPU, but torch sees none", early=False),
+    Case("dpo dpo.policy_dir={tiny_base} data.train_path=sft.jsonl data.eval_path=null",
+         "data.train_path has no rejected answers (sft.jsonl): this stage needs preference pairs",
+         files=(("sft.jsonl", '{"prompt": "q", "completion": "a"}\n' * 4),), early=False),
     Case("ppo ppo.resume=true ppo.policy_dir={tiny_base} ppo.reward=[rlhf_cli.demo:polite_reward] ppo.value_init=sft",
          "no interrupted run to resume", early=False),
     # top-level typos and ranges; the wrong kind of model; weights that would be unpickled

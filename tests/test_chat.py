@@ -15,11 +15,13 @@ from rlhf_cli.stages import chat
 
 def test_the_newest_trained_policy_by_default(tmp_path):
     cfg = OmegaConf.create({"chat": {"model_dir": None}, "ppo": {"output_dir": str(tmp_path / "ppo")},
-                            "sft": {"output_dir": str(tmp_path / "sft")}})
+                            "dpo": {"output_dir": str(tmp_path / "dpo")}, "sft": {"output_dir": str(tmp_path / "sft")}})
     with pytest.raises(RlhfError, match="run `rlhf sft` first"):
         chat.newest_policy(cfg)
     (tmp_path / "sft").mkdir()
     assert chat.newest_policy(cfg) == tmp_path / "sft"
+    (tmp_path / "dpo").mkdir()
+    assert chat.newest_policy(cfg) == tmp_path / "dpo"
     (tmp_path / "ppo").mkdir()
     assert chat.newest_policy(cfg) == tmp_path / "ppo"
     cfg.chat.model_dir = str(tmp_path / "sft")

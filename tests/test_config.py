@@ -257,7 +257,8 @@ def test_pending_keys_are_checked_when_present():
     ("ppo.lora.target_modules", [], "ppo.lora.target_modules=[] is not a module name or a list of them"),
     ("doctor.stages", ["sft", "rlhf"], "doctor.stages: rlhf is unknown; use a list of sft, reward, ppo"),
     ("eval.policies", {}, "eval.policies={} is not a mapping of names to directories"),
-    ("eval.policies", {"ppo": None}, "eval.policies.ppo=null is not a directory"),
+    ("eval.policies", {"ppo": None}, "eval.policies={ppo: null} leaves nothing"),  # null leaves one out
+    ("eval.policies", {"sft": "s", "ppo": 3}, "eval.policies.ppo=3 is not a directory"),
 ])
 def test_bad_values_name_the_key_the_value_and_the_range(key, value, needle):
     message = schema.check_value(key, value, schema.SCHEMA[key])
@@ -269,7 +270,8 @@ def test_bad_values_name_the_key_the_value_and_the_range(key, value, needle):
     ("ppo.total_episodes", 64), ("sft.max_steps", -1), ("device.num_processes", "auto"), ("ppo.top_p", 1.0),
     ("ppo.top_k", 0), ("ppo.stop_token", None), ("ppo.recompute_logprobs", False), ("ppo.target_kl", None),
     ("ppo.lora.target_modules", "all-linear"), ("ppo.lora.target_modules", ["q_proj", "lm_head"]),
-    ("ppo.stop_token_ids", []), ("eval.policies", {"sft": "runs/tiny/sft"}), ("chat.prompt", ""),
+    ("ppo.stop_token_ids", []), ("eval.policies", {"sft": "runs/tiny/sft"}),
+    ("eval.policies", {"sft": "runs/tiny/sft", "ppo": None}), ("chat.prompt", ""),
     ("ppo.missing_eos_penalty", -1.5), ("device.zero_stage", 3), ("sft.learning_rate", 1),
 ])
 def test_good_values_pass(key, value):

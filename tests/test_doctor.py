@@ -363,7 +363,7 @@ def test_doctor_tiny(run_cli):
                    "sequence lengths: 3000 training prompts", "The plan takes the longest",
                    "the data's longest prompt", "checkpoint on disk"):
         assert needle in out, needle
-    assert out.count("peak per process") == 3  # sft, reward, ppo
+    assert out.count("peak per process") == 4  # sft, reward, ppo, dpo
 
 
 def test_doctor_qwen_recipe_offline(run_cli):

@@ -1,4 +1,4 @@
-"""What the trl-backed stages (sft, reward) share: precision, trainer arguments from the config, checkpoints and
+"""What the trl-backed stages (sft, reward, dpo) share: precision, trainer arguments from the config, checkpoints and
 resume, the console (a progress bar with the metrics as lines), the guard on non-finite values, and saving."""
 
 from __future__ import annotations
@@ -89,6 +89,19 @@ def trainer_kwargs(stage, cfg, work_dir: Path, precision: dict, n_train: int) ->
         data_seed=int(cfg.seed),
         **trainer_strategy_kwargs(cfg.device),
     )
+
+
+def preference_rows(cfg, tok) -> tuple[list[dict], list[dict]]:
+    """The training and eval pairs of `data.*` as the reward and DPO trainers take them (`data.pair_rows`):
+    rows without a rejected answer refused, ties and prompts over data.max_prompt_length dropped and counted."""
+    from rlhf_cli import data as D
+
+    thinking, templ = bool(cfg.model.enable_thinking), bool(cfg.data.chat_template)
+    max_prompt = int(cfg.data.max_prompt_length)
+    train, evals = D.load_examples(cfg.data, need_rejected=True)
+    train = D.filter_long_prompts(train, tok, max_prompt, str(cfg.data.train_path), thinking, templ)
+    evals = D.filter_long_prompts(evals, tok, max_prompt, "eval split", thinking, templ)
+    return D.pair_rows(train, tok, thinking, templ), D.pair_rows(evals, tok, thinking, templ)
 
 
 def require_examples(stage: str, kind: str, kept: int, given: int, max_length: int, max_prompt_length: int) -> None:
@@ -359,7 +372,7 @@ def resume_hint(cfg) -> str:
     "sft.resume=true continues from checkpoint-40", "no checkpoint yet ...", or that finished outputs are
     intact (stages without checkpoints)."""
     command = str(cfg.command)
-    if command in ("sft", "reward"):
+    if command in ("sft", "reward", "dpo"):
         stage = cfg[command]
         ckpt = latest_checkpoint(partial_dir(stage.output_dir))
         every = f"{command}.save_steps={stage.save_steps}"

@@ -1,6 +1,6 @@
 """`rlhf chat`: a conversation from stdin (each answer sees the turns before it; `/reset` starts over), or
-`prompt="..."` once, with the newest trained policy (the PPO output if there is one, else the SFT model) or
-`chat.model_dir` (a PPO output's LoRA adapter is merged on load)."""
+`prompt="..."` once, with the newest trained policy (the PPO output if there is one, else the DPO output, else the
+SFT model) or `chat.model_dir` (an adapter, PPO's or DPO's, is merged on load)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ RESET = "/reset"
 
 def newest_policy(cfg) -> Path:
     """`chat.model_dir`, or when unset the PPO output if it exists (it is trained from the SFT model), else the
-    SFT output."""
+    DPO output (trained from it too), else the SFT output."""
     if cfg.chat.model_dir is not None:
         return require_dir(cfg.chat.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
-    for d in (cfg.ppo.output_dir, cfg.sft.output_dir):
+    for d in (cfg.ppo.output_dir, cfg.dpo.output_dir, cfg.sft.output_dir):
         if Path(d).is_dir():
             return Path(d)
     return require_dir(cfg.sft.output_dir, "model to chat with (the SFT output; chat.model_dir)", "rlhf sft")

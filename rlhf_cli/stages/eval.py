@@ -112,7 +112,8 @@ def run(cfg) -> None:
 
     setup_torch(cfg)
     e = cfg.eval
-    inputs = [cfg.ppo.policy_dir, e.reward_dir, cfg.ppo.output_dir, *e.policies.values()]  # never replaced
+    policies = {name: path for name, path in e.policies.items() if path is not None}  # NAME=null: left out
+    inputs = [cfg.ppo.policy_dir, e.reward_dir, cfg.ppo.output_dir, *policies.values()]  # never replaced
     check_output_dir(e.output_dir, "eval", inputs)  # before the sampling, not after it (atomic_dir checks again)
     device = torch.device("cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu")
     paths = accel.configure(cfg, device.type)
@@ -121,9 +122,9 @@ def run(cfg) -> None:
     reward_dir = None if e.reward_dir is None else \
         require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json",
                     or_else="set eval.reward_dir=null to evaluate without one")
-    made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo"}
+    made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo", "dpo": "rlhf dpo"}
     policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
-                   for name, path in e.policies.items()}
+                   for name, path in policies.items()}
     tok = load_tokenizer(ref_dir, cfg.model)
     rm_tok = own_tokenizer(reward_dir, tok, cfg) if reward_dir is not None else None
     prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
@@ -155,7 +156,7 @@ def run(cfg) -> None:
     names = list(results) if rm is not None else []  # win rates compare reward-model scores
     for a in names:
         for b in names:
-            if a != b and (a, b) != ("sft", "ppo"):
+            if a != b and not (a == "sft" and b in ("ppo", "dpo")):  # each trained policy over SFT, not back
                 report["win_rate"][f"{a}_vs_{b}"] = win_rate(results[a]["rm_score"], results[b]["rm_score"])
     for n, s in results.items():
         report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import data as D
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
+    preference_rows,
     require_examples,
     require_finite,
     require_finite_weights,
@@ -37,12 +37,6 @@ from rlhf_cli.stages._common import (
 )
 
 log = logging.getLogger("rlhf")
-
-
-def pair_rows(examples: list[D.Example], tok, enable_thinking: bool, chat_template: bool = True) -> list[dict]:
-    """trl's standard explicit format; trl appends EOS to prompt + answer."""
-    return [{"prompt": D.prompt_text(tok, ex.prompt, enable_thinking, chat_template), "chosen": ex.chosen,
-             "rejected": ex.rejected} for ex in examples]
 
 
 @torch.no_grad()
@@ -71,13 +65,8 @@ def build_trainer(cfg, work: Path):
     else:
         init = require_dir(r.init_from, "SFT model (reward.init_from)", "rlhf sft", marker="config.json")
     tok = load_tokenizer(init, cfg.model)
-    thinking = bool(cfg.model.enable_thinking)
-    templ = bool(cfg.data.chat_template)
     max_prompt = int(cfg.data.max_prompt_length)
-    train, evals = D.load_examples(cfg.data, need_rejected=True)
-    train = D.filter_long_prompts(train, tok, max_prompt, str(cfg.data.train_path), thinking, templ)
-    evals = D.filter_long_prompts(evals, tok, max_prompt, "eval split", thinking, templ)
-    train_rows, eval_rows = pair_rows(train, tok, thinking, templ), pair_rows(evals, tok, thinking, templ)
+    train_rows, eval_rows = preference_rows(cfg, tok)
 
     dtype, precision = training_precision(cfg)
     model = load_seq_cls(init, tok, dtype, cfg.model)
