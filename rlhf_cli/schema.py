@@ -241,6 +241,8 @@ SCHEMA: dict[str, Rule] = {
     "ppo.loss_aggregation": one_of(*LOSS_AGGREGATIONS),
     "ppo.kl_loss_estimator": one_of(*KL_ESTIMATORS, help="grpo: the KL estimate in its loss"),
     "ppo.value_lora": flag(),
+    "ppo.activation_checkpointing": flag(help="the policy's and value model's decoder layers recomputed in the "
+                                         "backward instead of keeping their activations"),
     "ppo.sparse_value_embedding": flag(help="a fully trained value model's embedding: AdamW over the rows "
                                        "tokens reach"),
     "ppo.total_episodes": count(help="≥ one update's batch: checked by config.ppo_sizes"),

@@ -128,3 +128,16 @@ def test_sharded_checkpoint_resumes_on_one_process(runs):
     from peft import AutoPeftModelForCausalLM
 
     AutoPeftModelForCausalLM.from_pretrained(run / "one")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_activation_checkpointing_under_sharding_changes_no_number(runs):
+    """Checkpointed layers recompute under FSDP (their weights gathered again for it): the same run, to the
+    tolerance (measured: equal to the last bit)."""
+    root, run = runs
+    rc, _, err = rlhf(root, "ppo", *FSDP, *PPO, "ppo.activation_checkpointing=true",
+                      f"ppo.output_dir={run / 'ppo-fsdp-ac'}")
+    assert rc == 0, err[-3000:]
+    assert not differences(scalars(run / "ppo-fsdp-ac"), scalars(run / "ppo-fsdp"))

@@ -92,6 +92,10 @@ def configure(cfg, device_type: str) -> FastPaths:
         log.info("fast paths: off under device.strategy=fsdp (they replace forwards and sampling of whole models "
                  "in one process; sharded models run transformers' forwards and generate())")
         on = False
+    if on and cfg.get("command") == "ppo" and bool(cfg.ppo.get("activation_checkpointing")):
+        log.info("fast paths: off with ppo.activation_checkpointing (their forwards are not checked under the "
+                 "recomputation of checkpointed layers)")
+        on = False
     from rlhf_cli.accel import cpu_linear
 
     cpu_linear.set_mode(str(cfg.device.get("cpu_matmul") or "auto") if on else "blas")

@@ -25,7 +25,7 @@ from rlhf_cli.models import (
 from rlhf_cli.ppo.config import REWARD_MODEL
 from rlhf_cli.ppo.forward import TokenValueModel
 from rlhf_cli.ppo.reward_model import load_reward_model, own_tokenizer, refuse_value_from
-from rlhf_cli.ppo.shard import Placement
+from rlhf_cli.ppo.shard import Placement, checkpoint_layers
 
 log = logging.getLogger("rlhf")
 
@@ -63,6 +63,8 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
             raise refuse_value_from(reward_dir)
     place = Placement.of(cfg, device)
     policy, ref = _policy(cfg, tok, policy_dir, device, storage)
+    if p.activation_checkpointing:  # before sharding: FSDP gathers a layer for its recomputation as for its backward
+        checkpoint_layers(policy)
     if place.sharded:  # each model sharded as soon as it is built: never two whole models in one process
         fp32_trainables(policy)
         policy, ref = place(policy), place(ref)
@@ -75,6 +77,8 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
     value, value_src = None, f"nowhere (ppo.advantage={p.advantage} has no critic)"
     if str(p.advantage) == "gae":
         value, value_src = _value(cfg, tok, place.load_device, storage, policy_dir, reward_dir, stats)
+        if p.activation_checkpointing:
+            checkpoint_layers(value)
         value = place(value)
     reward = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok) if use_rm else None
     reward = place(reward)

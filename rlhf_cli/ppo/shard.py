@@ -44,14 +44,35 @@ def is_sharded(obj) -> bool:
     return any(isinstance(p, DTensor) for p in params)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module, why: str = "device.strategy=fsdp shards") -> list[nn.Module]:
     """The model's decoder layers: the modules transformers names as never to be split (`_no_split_modules`)."""
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise RlhfError(f"device.strategy=fsdp shards per decoder layer, and {type(model).__name__} names none "
-                        "(_no_split_modules); use device=ddp for this model")
+        raise RlhfError(f"{why} per decoder layer, and {type(model).__name__} names none (_no_split_modules); "
+                        "turn it off for this model")
     return layers
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Activation checkpointing (`ppo.activation_checkpointing`): each decoder layer keeps only its input for the
+    backward and computes its inside again there, so a micro-batch holds one hidden state per layer instead of
+    every intermediate (attention, MLP, norms, LoRA). Only where gradients are taken, in the PPO epochs; sampling
+    and scoring run as before. transformers' own switch acts in training mode only, and PPO keeps its models in
+    eval mode (no dropout: the first ratio must be 1), so each layer's forward is wrapped on the instance. Done
+    before `place`: FSDP then gathers a layer's weights for the recomputation as for its backward. Returns the
+    number of layers wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model, "ppo.activation_checkpointing recomputes")
+    for layer in layers:
+        def forward(*args, _inner=layer.forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
 
 
 @functools.cache
