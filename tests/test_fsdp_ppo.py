@@ -15,11 +15,14 @@ forward) moved the first update's policy loss by 25%.
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-
-from test_dist import LONG_TEST, read, rlhf
+from test_dist import LONG_TEST, SAFETY_S, _gone, _tagged, _workers, read, rlhf, rlhf_process
 
 FSDP = ["device=cpu-fsdp", "device.threads=1"]
 DDP = ["device=cpu-ddp", "device.num_processes=2", "device.threads=1", "device.fast_paths=off"]
@@ -141,3 +144,37 @@ def test_activation_checkpointing_under_sharding_changes_no_number(runs):
                       f"ppo.output_dir={run / 'ppo-fsdp-ac'}")
     assert rc == 0, err[-3000:]
     assert not differences(scalars(run / "ppo-fsdp-ac"), scalars(run / "ppo-fsdp"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_killing_one_sharded_process_ends_the_run_and_resume_continues(runs):
+    """kill -9 of one process while the other waits in a collective for it: the run ends with an error and
+    leaves no process behind; ppo.resume=true continues from its last checkpoint to the end."""
+    root, run = runs
+    out, log = run / "killed", run / "killed.log"
+    args = ["ppo", *FSDP, "ppo.total_episodes=192", "ppo.num_mini_batches=1", "ppo.eval_every=0", "ppo.save_every=1",
+            f"ppo.output_dir={out}"]
+    with log.open("w") as f, rlhf_process(root, *args, stdout=f, stderr=subprocess.STDOUT) as p:
+        parent, deadline = psutil.Process(p.pid), time.monotonic() + SAFETY_S
+        first = run / ".killed.partial" / "checkpoints" / "checkpoint-1"
+        while not (first / "checksums.json").is_file() or len(_workers(parent)) < 2:
+            assert p.poll() is None, f"the run ended early (exit {p.returncode}): {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no checkpoint-1 after {SAFETY_S} s"
+            time.sleep(0.2)
+        tree = parent.children(recursive=True)
+        victim = next(w for w in _workers(parent) if w.environ().get("LOCAL_RANK") == "1")
+        victim.send_signal(signal.SIGKILL)
+        rc = p.wait(timeout=SAFETY_S)  # a safety net for a hang: it ends at the peer's first collective
+        assert rc != 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_gone(c) for c in tree):
+            time.sleep(0.1)
+        left = [c for c in tree + _tagged(p.tag) if not _gone(c)]
+        assert not left, [(c.pid, " ".join(c.cmdline())[:200]) for c in left]
+    rc, text, err = rlhf(root, *args, "ppo.resume=true")
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in text + err
+    m = read(out / "metrics.json")
+    assert m["total_episodes"] == 192 and m["updates"] == 3
