@@ -358,7 +358,8 @@ def check_override_keys(overrides: list[str], command: str = "") -> None:
     """Refuse command-line overrides of keys that the groups do not have (`sft.max_step=2`, `+sft.max_step=2`)
     before Hydra composes anything, and top-level names that are neither a key nor a group (`+foo=bar`). Group
     choices (`device=cuda`), top-level keys and `hydra.*` keys pass."""
-    tops = {k.split(".", 1)[0] for k in SCHEMA} | set(GROUPS) | {"hydra"}
+    # `recipes=` is the recipe group itself, as `rlhf_cli.launch` passes a recipe to the processes it starts
+    tops = {k.split(".", 1)[0] for k in SCHEMA} | set(GROUPS) | {"hydra", "recipes"}
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("~+").strip()
         head = key.split(".", 1)[0].split("@", 1)[0]

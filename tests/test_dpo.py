@@ -146,6 +146,22 @@ def test_interrupted_run_resumes_to_the_uninterrupted_adapter(chain, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_cpu_processes_with_a_recipe(chain, tmp_path):
+    """device=cpu-ddp starts `rlhf dpo` again in 2 processes, the recipe passed as its group (recipes=tiny-dpo)."""
+    out = tmp_path / "dpo_ddp"
+    ok(rlhf(chain[0], "dpo", *SHORT, *LORA, "device=cpu-ddp", "device.num_processes=2", "dpo.max_steps=2",
+            f"dpo.output_dir={out}"))
+    assert (out / "adapter_model.safetensors").is_file() and json.loads((out / "metrics.json").read_text())["steps"] == 2
+
+
+def test_the_recipe_group_passes_the_override_check():
+    from rlhf_cli import schema
+
+    schema.check_override_keys(["recipes=tiny-dpo", "dpo.beta=0.2"], "dpo")  # what a launched process gets
+
+
 def test_bad_beta_is_refused_by_the_schema():
     with pytest.raises(RlhfError, match=r"dpo.beta=0 is out of range; use a number > 0"):
         compose("dpo", ["dpo.beta=0"])  # the CLI's rows for dpo are in test_bad_inputs.py
