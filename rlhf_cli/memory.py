@@ -68,7 +68,13 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, ONEDNN_CACHE_BYTES, ONEDNN_CACHE_CAPACITY, ONEDNN_MIN_DIM
+from rlhf_cli.accel.limits import (
+    CPU_MERGE_MAX_BYTES,
+    ONEDNN_CACHE_BYTES,
+    ONEDNN_CACHE_CAPACITY,
+    ONEDNN_MIN_DIM,
+    enabled,
+)
 from rlhf_cli.choices import REWARD_MODEL, TRAIN_STAGES
 from rlhf_cli.precision import SHORT, precision
 from rlhf_cli.tiny import is_tiny_spec
@@ -121,6 +127,8 @@ KNOWN_ARCHS = {
     "Qwen/Qwen3-1.7B": Arch(151936, 2048, 6144, 28, 16, 8, 128, True),
     "Qwen/Qwen3-4B": Arch(151936, 2560, 9728, 36, 32, 8, 128, True),
     "Qwen/Qwen3-8B": Arch(151936, 4096, 12288, 36, 32, 8, 128, False),
+    "Qwen/Qwen3-14B": Arch(151936, 5120, 17408, 40, 40, 8, 128, False),
+    "Qwen/Qwen3-32B": Arch(151936, 5120, 25600, 64, 64, 8, 128, False),
 }
 
 
@@ -543,19 +551,19 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
     value_targets = tuple(t for t in targets if t != "lm_head")  # a value model has no LM head
     copies = 0.0
     if bool(p.lora.enabled):
-        _frozen(plan, ps, "policy base", pl)
+        _frozen(plan, ps, "policy base", pl, sharded=True)
         plan.items.append(Item("reference", 0, "the policy base with its adapter disabled"))
         n_policy = lora_params(a, r, targets)
         copies += _trainable(plan, ps, "LoRA adapter", n_policy, "LoRA")
     else:
         n_policy = pl
         copies += _trainable(plan, ps, "policy weights", pl, "policy")
-        _frozen(plan, ps, "reference weights", pl)
+        _frozen(plan, ps, "reference weights", pl, sharded=True)
     n_value = 0
     if str(p.advantage) != "gae":
         plan.items.append(Item("value model", 0, f"none: ppo.advantage={p.advantage} needs no critic"))
     elif bool(p.value_lora):
-        _frozen(plan, ps, "value trunk", pc)
+        _frozen(plan, ps, "value trunk", pc, sharded=True)
         n_value = lora_params(a, r, value_targets) + a.hidden_size
         copies += _trainable(plan, ps, "value LoRA + score head", n_value, "value LoRA")
     elif bool(p.sparse_value_embedding) and ps.world == 1 and not float(p.weight_decay):
@@ -571,7 +579,7 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
         copies += _trainable(plan, ps, "value model weights", pc, "value model")
     sources = p.reward
     if REWARD_MODEL in ([sources] if isinstance(sources, str) else list(sources)):
-        _frozen(plan, ps, "reward model weights", pc)
+        _frozen(plan, ps, "reward model weights", pc, sharded=True)
     # what a checkpoint holds: the trainable weights (fp32) and their AdamW states, plus counters and RNG
     plan.checkpoint = (n_policy + n_value) * (4 + 8)
     return copies
@@ -587,9 +595,23 @@ def _onednn_caches(cfg, a: Arch, s: Setup) -> bool:
             and s.compute_name == "fp32" and s.frozen_bytes == 4 and a.hidden_size >= ONEDNN_MIN_DIM)
 
 
-def _ppo_sampling(plan: StagePlan, a: Arch, ps: Setup, f: int, seq: int, adapted: tuple | None) -> None:
+def _sharded_units(plan: StagePlan, a: Arch, ps: Setup, params: float, what: str) -> float:
+    """Under FSDP, the weights a forward holds gathered besides its shards: the decoder layer running and the
+    next one (prefetched), and the root unit (embeddings, heads), all in model.dtype; 0 unsharded."""
+    if ps.strategy != "fsdp" or ps.world <= 1:
+        return 0.0
+    layer = (params - a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)) / a.num_hidden_layers
+    root = params - a.num_hidden_layers * layer
+    nbytes = (2 * layer + root) * ps.frozen_bytes
+    plan.items.append(Item(f"gathered units ({what})", nbytes, f"2 decoder layers + embeddings / heads × "
+                           f"{ps.frozen_bytes} B, all-gathered for one forward", "transient"))
+    return nbytes
+
+
+def _ppo_sampling(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, adapted: tuple | None) -> None:
     """Rollout, step 1: sampling `f` sequences of `seq` tokens with a KV cache (adapted: the LoRA policy's
-    adapted layers, None without LoRA)."""
+    adapted layers, None without LoRA). Sharded, the policy is gathered whole for the phase
+    (`device.fsdp.gather_for_sampling`, rlhf_cli.ppo.shard.gathered) or layer by layer at every token."""
     cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
     kv = 2 * L * a.kv_dim * f * seq * cb
     step_logits = f * V * (cb + 32)
@@ -597,17 +619,36 @@ def _ppo_sampling(plan: StagePlan, a: Arch, ps: Setup, f: int, seq: int, adapted
                            "transient"))
     plan.items.append(Item("sampling step logits", step_logits, f"{f}·{V} × ({cb} + 32) B: one step's "
                            "logits, fp32 log-softmax / entropy, float64 CDF", "transient"))
-    merged = 0.0
-    if adapted is not None:
-        # sampling runs on the LoRA merged into a copy of each adapted weight (the sampling loop of
-        # rlhf_cli.accel), except on a CPU with adapted weights over CPU_MERGE_MAX_BYTES
+    merged = gathered = 0.0
+    sharded = ps.strategy == "fsdp" and ps.world > 1
+    if sharded and gathers_for_sampling(cfg):
+        gathered = causal_lm_params(a) * wb
+        plan.items.append(Item("gathered policy", gathered, f"the whole policy × {wb} B, all-gathered once for "
+                               "the phase (device.fsdp.gather_for_sampling)", "transient"))
+    elif sharded:
+        gathered = _sharded_units(plan, a, ps, causal_lm_params(a), "policy, every token")
+    elif adapted is not None and fast_paths_on(cfg, ps):
+        # the fast sampling loop (rlhf_cli.accel) samples on the LoRA merged into a copy of each adapted weight,
+        # except on a CPU with adapted weights over CPU_MERGE_MAX_BYTES; stock generate() runs unmerged
         merged = adapted_weight_params(a, adapted) * wb
         if ps.accelerator == "cpu" and merged > CPU_MERGE_MAX_BYTES:
             merged = 0.0
         else:
             plan.items.append(Item("merged LoRA weights", merged,
                                    f"W + B·A copies of the adapted weights × {wb} B", "transient"))
-    plan.phases["sampling"] = kv + step_logits + merged
+    plan.phases["sampling"] = kv + step_logits + merged + gathered
+
+
+def gathers_for_sampling(cfg) -> bool:
+    fsdp = cfg.device.get("fsdp") or {}
+    return bool(fsdp.get("gather_for_sampling", True))
+
+
+def fast_paths_on(cfg, s: Setup) -> bool:
+    """Whether rlhf_cli.accel's speed paths run (device.fast_paths on this accelerator; never sharded)."""
+    sharded = s.strategy == "fsdp" and s.world > 1
+    checkpointed = bool(cfg.ppo.get("activation_checkpointing", False))  # rlhf_cli.accel.configure turns them off
+    return not (sharded or checkpointed) and enabled(str(cfg.device.get("fast_paths") or "auto"), s.accelerator)
 
 
 def _ppo_scoring(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, resp: int) -> None:
@@ -627,7 +668,7 @@ def _ppo_scoring(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, res
         score = frv * (cb + extra)
         what = f"{f}·{resp}·{V} × ({cb} + {extra}) B: {scored}"
     plan.items.append(Item("scoring logits", score, what + ", + one layer", "transient"))
-    plan.phases["scoring"] = score + one_layer
+    plan.phases["scoring"] = score + one_layer + _sharded_units(plan, a, ps, causal_lm_params(a), "scoring")
 
 
 def _ppo_training(plan: StagePlan, p, a: Arch, ps: Setup, seq: int, copies: float) -> None:
@@ -638,17 +679,18 @@ def _ppo_training(plan: StagePlan, p, a: Arch, ps: Setup, seq: int, copies: floa
     targets, r = lora_targets(p.lora.target_modules), int(p.lora.r)
     value_targets = tuple(t for t in targets if t != "lm_head")  # a value model has no LM head
     lora, value_lora, cast = bool(p.lora.enabled), bool(p.value_lora), _casts(ps)
-    act_p = _activations(a, b, seq, cb, trainable=not lora, lora=targets if lora else (), r=r, cast=cast,
-                         residual_bytes=wb if lora else 4)
-    plan.items.append(Item("policy activations", act_p, f"micro-batch {b} × {seq} tokens × {L} layers",
-                           "transient"))
+    ck = bool(p.get("activation_checkpointing", False))
+    held = f"micro-batch {b} × {seq} tokens × {L} layers" + (", checkpointed: each layer's input, one layer's "
+                                                              "activations" if ck else "")
+    act_p = _activations(a, b, seq, cb, checkpointing=ck, trainable=not lora, lora=targets if lora else (), r=r,
+                         cast=cast, residual_bytes=wb if lora else 4)
+    plan.items.append(Item("policy activations", act_p, held, "transient"))
     act_v = 0.0
     if str(p.advantage) == "gae":
-        act_v = _activations(a, b, seq, cb, trainable=not value_lora,
+        act_v = _activations(a, b, seq, cb, checkpointing=ck, trainable=not value_lora,
                              lora=value_targets if value_lora else (), r=r, cast=cast,
                              residual_bytes=wb if value_lora else 4)
-        plan.items.append(Item("value activations", act_v, f"micro-batch {b} × {seq} tokens × {L} layers",
-                               "transient"))
+        plan.items.append(Item("value activations", act_v, held, "transient"))
     per_logit = cb + logit_temporaries(cb)
     logits = b * resp * V * per_logit
     plan.items.append(Item("policy logits", logits, f"{b}·{resp}·{V} × ({cb} + {per_logit - cb}) B: logits, "
@@ -656,15 +698,22 @@ def _ppo_training(plan: StagePlan, p, a: Arch, ps: Setup, seq: int, copies: floa
     if copies:
         plan.items.append(Item("autocast weight copies", copies, f"trainable weights × {cb} B for a step",
                                "transient"))
-    plan.phases["training step"] = copies + max(act_p + logits, act_v)
+    units = _sharded_units(plan, a, ps, causal_lm_params(a), "training")
+    plan.phases["training step"] = copies + max(act_p + logits, act_v) + units
+
+
+def ppo_setup(s: Setup) -> Setup:
+    """The setup PPO runs under: FSDP2 shards (several processes, device.strategy=fsdp, nothing offloaded), else
+    whole models (one process, or DDP replicas: DeepSpeed is planned as the ddp run it would be)."""
+    sharded = s.strategy == "fsdp" and s.world > 1
+    return replace(s, strategy="fsdp" if sharded else "ddp" if s.world > 1 else "single", zero_stage=0,
+                   offload_optimizer=False, offload_params=False)
 
 
 def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     p = cfg.ppo
     plan = StagePlan("ppo")
-    # ppo runs under ddp only
-    ps = replace(s, strategy="ddp" if s.world > 1 else "single", zero_stage=0, offload_optimizer=False,
-                 offload_params=False)
+    ps = ppo_setup(s)
     copies = _ppo_weights(plan, p, a, ps)
     if _onednn_caches(cfg, a, ps):
         plan.items.append(Item("oneDNN primitive caches", ONEDNN_CACHE_BYTES,
@@ -679,7 +728,7 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     buffer = local_batch * (seq * 8 * 3 + resp * (8 + 4 * 6))
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
-    _ppo_sampling(plan, a, ps, f, seq, lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None)
+    _ppo_sampling(plan, cfg, a, ps, f, seq, lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None)
     _ppo_scoring(plan, cfg, a, ps, f, seq, resp)
     _ppo_training(plan, p, a, ps, seq, copies)
     return plan
@@ -785,6 +834,15 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
             out.append(({"ppo.rollout_forward_batch_size": f // 2}, {}))
         if not bool(st.value_lora):
             out.append(({"ppo.value_lora": True}, {}))
+        if not bool(st.get("activation_checkpointing", False)):
+            out.append(({"ppo.activation_checkpointing": True}, {}))
+        sharded = s.strategy == "fsdp" and s.world > 1
+        if sharded and gathers_for_sampling(cfg):
+            out.append(({"device.fsdp.gather_for_sampling": False}, {}))
+        if s.accelerator == "cuda" and not sharded:
+            n = max(s.per_machine, 8)
+            out.append(({}, {"strategy": "fsdp", "zero_stage": 0, "per_machine": n,
+                             "world": n * max(s.world // max(s.per_machine, 1), 1)}))
     return out
 
 

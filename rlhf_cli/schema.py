@@ -211,6 +211,7 @@ SCHEMA: dict[str, Rule] = {
     "device.fsdp.reshard_after_forward": flag(),
     "device.fsdp.state_dict_type": one_of(*FSDP_STATE_DICT_TYPES),
     "device.fsdp.activation_checkpointing": flag(),
+    "device.fsdp.gather_for_sampling": flag(),
     "device.num_machines": count(),
     "device.machine_rank": whole(0, help="< num_machines: checked by rlhf_cli.launch"),
     "device.main_process_ip": text(null=True),

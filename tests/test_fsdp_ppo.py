@@ -178,3 +178,17 @@ def test_killing_one_sharded_process_ends_the_run_and_resume_continues(runs):
     assert "resumed from" in text + err
     m = read(out / "metrics.json")
     assert m["total_episodes"] == 192 and m["updates"] == 3
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_sampling_layer_by_layer_changes_no_number(runs):
+    """device.fsdp.gather_for_sampling=false (a policy too large to gather whole): each sampling forward gathers
+    layer by layer and the processes step together to the longest response (generate(synced_gpus=True)); the
+    same tokens come out, so the same run."""
+    root, run = runs
+    rc, _, err = rlhf(root, "ppo", *FSDP, *PPO, "device.fsdp.gather_for_sampling=false",
+                      f"ppo.output_dir={run / 'ppo-fsdp-layers'}")
+    assert rc == 0, err[-3000:]
+    assert not differences(scalars(run / "ppo-fsdp-layers"), scalars(run / "ppo-fsdp"))

@@ -24,18 +24,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from rlhf_cli.choices import FAST_PATHS
+from rlhf_cli.accel.limits import PROVEN_ON, enabled  # noqa: F401 - the rule lives with the doctor's constants
 
 log = logging.getLogger("rlhf")
-
-PROVEN_ON = ("cpu",)  # device types on which `auto` turns the paths on
-
-
-def enabled(mode: str, device_type: str) -> bool:
-    """Whether `device.fast_paths=mode` turns the speed paths on for a device of this type ("cpu", "cuda", ...)."""
-    if mode not in FAST_PATHS:
-        raise ValueError(f"device.fast_paths must be one of {', '.join(FAST_PATHS)}, got {mode!r}")
-    return device_type in PROVEN_ON if mode == "auto" else mode == "on"
 
 
 @dataclass(frozen=True)

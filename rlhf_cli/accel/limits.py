@@ -1,4 +1,16 @@
-"""Sizes at which the speed paths switch, torch-free so that the doctor can plan with them."""
+"""Where and from which sizes the speed paths switch, torch-free so that the doctor can plan with them."""
+
+from rlhf_cli.choices import FAST_PATHS
+
+PROVEN_ON = ("cpu",)  # device types on which `device.fast_paths=auto` turns the paths on
+
+
+def enabled(mode: str, device_type: str) -> bool:
+    """Whether `device.fast_paths=mode` turns the speed paths on for a device of this type ("cpu", "cuda", ...)."""
+    if mode not in FAST_PATHS:
+        raise ValueError(f"device.fast_paths must be one of {', '.join(FAST_PATHS)}, got {mode!r}")
+    return device_type in PROVEN_ON if mode == "auto" else mode == "on"
+
 
 # Sampling with a LoRA policy merges W + B·A into a copy of each adapted weight. On a CPU that copy, once per
 # rollout, outweighs the adapter's small per-step products when the weights are large (bench/probes/merge_probe.py);

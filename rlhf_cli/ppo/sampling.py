@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.shard import gathered
+from rlhf_cli.ppo.shard import gathered, synced_sampling
 
 Engine = Callable[..., "dict | None"]
 _ENGINES: dict[str, Engine] = {}
@@ -46,7 +46,7 @@ def generate(policy, prompt_ids, prompt_mask, gen_config, stop_ids, temperature:
 
     procs = LogitsProcessorList([_VocabLimit(vocab_size)] if vocab_size is not None else [])
     out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config,
-                          logits_processor=procs)
+                          logits_processor=procs, synced_gpus=synced_sampling(policy))
     response = out.sequences[:, prompt_ids.shape[1]:]
     logits = core.limit_vocab(torch.stack(out.logits, dim=1), vocab_size)  # (B, R, V) raw, before temperature
     logprobs, entropy = core.logprobs_and_entropy(logits, response, temperature)

@@ -83,7 +83,7 @@ def _mesh(device_type: str, world: int):
 
 
 def place(model: nn.Module | None, device: torch.device, sharded: bool,
-          reshard_after_forward: bool = True) -> nn.Module | None:
+          reshard_after_forward: bool = True, gather_for_sampling: bool = True) -> nn.Module | None:
     """`model` on `device`: moved there whole, or (`sharded`) split over all processes in place, each decoder
     layer one FSDP unit (all-gathered just before its forward, freed after it with `reshard_after_forward`) and
     the rest (embeddings, final norm, heads) the root unit, freed after its forward. The root is the module the code calls: the causal LM
@@ -116,6 +116,7 @@ def place(model: nn.Module | None, device: torch.device, sharded: bool,
     # frozen. The price is one more all-gather of the root (embeddings, heads) per backward.
     fully_shard(root, mesh=mesh, reshard_after_forward=True)
     root.rlhf_reshard_after_forward = True
+    root.rlhf_gather_for_sampling = gather_for_sampling  # what `gathered` does (device.fsdp.gather_for_sampling)
     if hasattr(root, "score_at"):
         register_fsdp_forward_method(root, "score_at")
     return model
@@ -129,6 +130,7 @@ class Placement:
     device: torch.device
     sharded: bool = False
     reshard_after_forward: bool = True  # device.fsdp.reshard_after_forward
+    gather_for_sampling: bool = True    # device.fsdp.gather_for_sampling
 
     @classmethod
     def of(cls, cfg, device) -> Placement:
@@ -136,7 +138,8 @@ class Placement:
 
         d = cfg.device
         return cls(torch.device(device), strategy(d) == "fsdp",
-                   bool(d.get("fsdp", {}).get("reshard_after_forward", True)))
+                   bool(d.get("fsdp", {}).get("reshard_after_forward", True)),
+                   bool(d.get("fsdp", {}).get("gather_for_sampling", True)))
 
     @property
     def load_device(self) -> torch.device:
@@ -145,7 +148,9 @@ class Placement:
         return torch.device("cpu") if self.sharded else self.device
 
     def __call__(self, model: nn.Module | None) -> nn.Module | None:
-        return place(model, self.device, True, self.reshard_after_forward) if self.sharded else model
+        if not self.sharded:
+            return model
+        return place(model, self.device, True, self.reshard_after_forward, self.gather_for_sampling)
 
 
 def prepare(accelerator, policy: nn.Module, value: nn.Module | None, optimizer):
@@ -166,9 +171,11 @@ def gathered(model: nn.Module):
     would cost layers × response_length all-gathers per chunk, each a round trip between processes, and would
     hold the processes in lockstep token by token although their responses stop at different lengths. Gathered,
     the forwards need no collective at all. The price is one whole copy of the policy while sampling; the value
-    and reward models stay sharded and gather layer by layer in their one forward per chunk."""
+    and reward models stay sharded and gather layer by layer in their one forward per chunk. A model too large
+    to be held whole (device.fsdp.gather_for_sampling=false) is left sharded: each forward gathers layer by layer
+    and `synced_sampling` keeps every process stepping until the last one's responses end."""
     units = fsdp_units(model)
-    if not units:
+    if not units or synced_sampling(model):
         yield model
         return
     for u in units:
@@ -180,6 +187,13 @@ def gathered(model: nn.Module):
         for u in units:
             u.reshard()
             u.set_reshard_after_forward(bool(getattr(u, "rlhf_reshard_after_forward", True)), recurse=False)
+
+
+def synced_sampling(model: nn.Module) -> bool:
+    """Whether sampling `model` runs sharded, a collective in every forward: then every process must take as
+    many decoding steps as the slowest (transformers' `generate(synced_gpus=True)`)."""
+    units = fsdp_units(model)
+    return bool(units) and not all(getattr(u, "rlhf_gather_for_sampling", True) for u in units)
 
 
 def full(t):

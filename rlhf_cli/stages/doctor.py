@@ -257,8 +257,8 @@ def _stage_lines(cfg, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -
         raise RlhfError(f"doctor.stages: {stage} has no memory plan; choose from {', '.join(M.PLANNERS)}")
     plan = M.plan_stage(cfg, stage, arch, s)
     lines = M.format_plan(plan)
-    if stage == "ppo" and s.strategy in ("deepspeed", "fsdp"):
-        lines.append("    note: ppo runs under ddp only; this plan is its ddp plan")
+    if stage == "ppo" and s.strategy == "deepspeed":
+        lines.append("    note: ppo runs under ddp or fsdp, not DeepSpeed; this plan is its ddp plan")
     lines.append(f"    -> {_verdict(plan, cap)}")
     if plan.offloaded:
         lines.append(f"    offloaded to CPU memory: {M.fmt_bytes(plan.offloaded)} per process")
