@@ -85,11 +85,12 @@ def _mesh(device_type: str, world: int):
 def place(model: nn.Module | None, device: torch.device, sharded: bool,
           reshard_after_forward: bool = True, gather_for_sampling: bool = True) -> nn.Module | None:
     """`model` on `device`: moved there whole, or (`sharded`) split over all processes in place, each decoder
-    layer one FSDP unit (all-gathered just before its forward, freed after it with `reshard_after_forward`) and
-    the rest (embeddings, final norm, heads) the root unit, freed after its forward. The root is the module the code calls: the causal LM
-    inside a PEFT model (PEFT calls it), a `TokenValueModel` itself (its `score_at` registered as a forward
-    too), the `TokenValueModel` inside a reward model that reads texts. Trainable weights are broadcast from
-    process 0 first, as DDP does, so that a random initialisation (LoRA's A, a new score head) agrees."""
+    layer one FSDP unit (all-gathered just before its forward, freed after it with `reshard_after_forward`), untied
+    input and output embeddings one each, and the rest (final norm, heads, tied embeddings) the root unit, freed
+    after its forward. The root is the module the code calls: the causal LM inside a PEFT model (PEFT calls it),
+    a `TokenValueModel` itself (its `score_at` registered as a forward too), the `TokenValueModel` inside a
+    reward model that reads texts. Trainable weights are broadcast from process 0 first, as DDP does, so that a
+    random initialisation (LoRA's A, a new score head) agrees."""
     if model is None:
         return None
     if not sharded:
@@ -107,9 +108,16 @@ def place(model: nn.Module | None, device: torch.device, sharded: bool,
                 dist.broadcast(t, 0)
                 p.data.copy_(t)
     mesh = _mesh(device.type, dist.get_world_size())
+    if hasattr(model, "peft_config"):  # the policy: its adapter's requires_grad switches (see the root below)
+        reshard_after_forward = True
     for layer in decoder_layers(root):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         layer.rlhf_reshard_after_forward = reshard_after_forward  # what `gathered` restores
+    # Untied input and output embeddings are units of their own: with a large vocabulary they are most of a
+    # slice's weights, and in the root they would be gathered (and copied out of the gather buffer) together.
+    for unit in _embeddings(root):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        unit.rlhf_reshard_after_forward = True
     # The root reshards after its forward too (FSDP's default keeps the root gathered until the backward): PEFT
     # switches its adapter's requires_grad off and on around the reference's forward, on the parameters registered
     # at that moment; were they the gathered copies, the sharded weights that train (a LoRA on lm_head) would stay
@@ -120,6 +128,20 @@ def place(model: nn.Module | None, device: torch.device, sharded: bool,
     if hasattr(root, "score_at"):
         register_fsdp_forward_method(root, "score_at")
     return model
+
+
+def _embeddings(root: nn.Module) -> list[nn.Module]:
+    """The input embedding and the output layer of the model inside `root`, unless they share one weight (tied:
+    a weight lives in one FSDP unit, the root's)."""
+    hf = next((m for m in root.modules() if hasattr(m, "get_input_embeddings")), None)
+    if hf is None:
+        return []
+    emb = hf.get_input_embeddings()
+    out = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    out_weight = getattr(getattr(out, "base_layer", out), "weight", None)
+    if emb is None or out_weight is emb.weight:
+        return []
+    return [emb] + ([out] if out is not None else [])
 
 
 @dataclass(frozen=True)
