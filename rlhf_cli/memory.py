@@ -597,13 +597,14 @@ def _onednn_caches(cfg, a: Arch, s: Setup) -> bool:
 
 def _sharded_units(plan: StagePlan, a: Arch, ps: Setup, params: float, what: str) -> float:
     """Under FSDP, the weights a forward holds gathered besides its shards: the decoder layer running and the
-    next one (prefetched), and the root unit (embeddings, heads), all in model.dtype; 0 unsharded."""
+    next one (prefetched), and one vocabulary matrix (the embedding, or an untied output layer: units of their
+    own, rlhf_cli.ppo.shard), all in model.dtype; 0 unsharded."""
     if ps.strategy != "fsdp" or ps.world <= 1:
         return 0.0
-    layer = (params - a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)) / a.num_hidden_layers
-    root = params - a.num_hidden_layers * layer
-    nbytes = (2 * layer + root) * ps.frozen_bytes
-    plan.items.append(Item(f"gathered units ({what})", nbytes, f"2 decoder layers + embeddings / heads × "
+    matrix = a.vocab_size * a.hidden_size
+    layer = (params - matrix * (1 if a.tie_word_embeddings else 2)) / a.num_hidden_layers
+    nbytes = (2 * layer + matrix) * ps.frozen_bytes
+    plan.items.append(Item(f"gathered units ({what})", nbytes, f"2 decoder layers + a vocabulary matrix × "
                            f"{ps.frozen_bytes} B, all-gathered for one forward", "transient"))
     return nbytes
 
