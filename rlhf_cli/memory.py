@@ -729,10 +729,28 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     buffer = local_batch * (seq * 8 * 3 + resp * (8 + 4 * 6))
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
-    _ppo_sampling(plan, cfg, a, ps, f, seq, lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None)
+    adapted = lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None
+    _ppo_sampling(plan, cfg, a, ps, f, seq, adapted)
     _ppo_scoring(plan, cfg, a, ps, f, seq, resp)
     _ppo_training(plan, p, a, ps, seq, copies)
+    if int(p.get("eval_every", 0) or 0) > 0:
+        _ppo_evaluation(plan, cfg, a, ps, prompt, adapted)
     return plan
+
+
+def _ppo_evaluation(plan: StagePlan, cfg, a: Arch, ps: Setup, prompt: int, adapted: tuple | None) -> None:
+    """ppo.eval_every: held-out prompts sampled and scored in chunks of eval.batch_size (rlhf_cli.ppo.evaluation),
+    each process taking its share of eval.num_prompts; the same two steps as a rollout at that chunk size."""
+    e = cfg.eval
+    f = max(1, min(int(e.batch_size), -(-int(e.num_prompts) // max(ps.world, 1))))
+    resp = int(e.response_length)
+    sub = StagePlan("ppo")
+    _ppo_sampling(sub, cfg, a, ps, f, prompt + resp, adapted)
+    _ppo_scoring(sub, cfg, a, ps, f, prompt + resp, resp)
+    total = max(sub.phases.values())
+    plan.items.append(Item("evaluation (ppo.eval_every)", total, f"sampling and scoring {f} held-out prompts at a "
+                           f"time (eval.batch_size) × {prompt + resp} tokens", "transient"))
+    plan.phases["evaluation"] = total
 
 
 def plan_dpo(cfg, a: Arch, s: Setup) -> StagePlan:

@@ -242,6 +242,7 @@ def load_tokenizer(path: str | Path, model_cfg=None, scoring: bool = False):
                             "tokenizer_config.json")
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
+        _default_chat_template(tok, path)
         tok.padding_side, tok.truncation_side = "left", "left"
         return tok
     pad = model_cfg.get("pad_token") if model_cfg is not None else None
@@ -256,13 +257,18 @@ def load_tokenizer(path: str | Path, model_cfg=None, scoring: bool = False):
         raise RlhfError(f"tokenizer at {path} has {what}, so padding and the end of a "
                         "response cannot be told apart; set model.pad_token to another existing token, "
                         "e.g. model.pad_token='<|endoftext|>'")
+    _default_chat_template(tok, path)
+    tok.padding_side = "left"
+    return tok
+
+
+def _default_chat_template(tok, path) -> None:
+    # one fallback for policies and reward models alike, so two copies of one template-less tokenizer stay the same
     if tok.chat_template is None:
         from rlhf_cli.tiny import CHAT_TEMPLATE
 
         log.warning("tokenizer at %s has no chat template; using rlhf's ChatML template", path)
         tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "left"
-    return tok
 
 
 # --------------------------------------------------------------------------------------------------- models

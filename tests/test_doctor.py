@@ -450,21 +450,26 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     report = []
     for stage, ov in (("sft", ["sft.max_steps=5", "sft.eval_steps=100"]),
                       ("reward", ["reward.max_steps=5", "reward.eval_steps=100"]),
-                      ("ppo", ["ppo.total_episodes=128"])):
+                      ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0"]),
+                      ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16"])):
         peaks = []
         for _ in range(2):
-            p = subprocess.run([sys.executable, str(PROBE), stage, *common, *ov], cwd=tmp_path, env=env,
+            command = stage.split("+")[0]
+            p = subprocess.run([sys.executable, str(PROBE), command, *common, *ov], cwd=tmp_path, env=env,
                                capture_output=True, text=True, timeout=600, check=False)
             assert p.returncode == 0, p.stderr[-2000:]
             # anonymous memory: library file pages resident or not depend on the page cache (a fresh clone's
             # environment maps more of each .so), not on the run
             peaks.append(json.loads(p.stdout.strip().splitlines()[-1])["anon_growth_mib"] * M.MiB)
         measured = max(peaks)
-        cfg = compose(stage, [*common, *ov])
+        cfg = compose(command, [*common, *ov])
         s = M.setup_from(cfg, 0, data_lengths(cfg))
-        plan = M.plan_stage(cfg, stage, M.arch_for_model(cfg.model)[0], s)
+        plan = M.plan_stage(cfg, command, M.arch_for_model(cfg.model)[0], s)
         err = (plan.peak - measured) / measured
         report.append((stage, plan.peak / M.MiB, measured / M.MiB, err))
     print("; ".join(f"tiny {s}: plan {pl:.0f} MiB, measured {me:.0f} MiB, error {100 * e:+.0f}%"
                     for s, pl, me, e in report))
-    assert all(abs(e) <= 0.20 for *_, e in report), report
+    assert all(abs(e) <= 0.20 for s, *_, e in report if s != "ppo+eval"), report
+    # the held-out evaluation samples eval.batch_size prompts at a time, twice the rollout's chunk here: its phase
+    # is planned with the same allocator slack as the rollout's, which it needs less of; never under
+    assert 0.0 <= report[-1][-1] <= 0.30, report
