@@ -129,6 +129,7 @@ def _whiten_worker(rank: int, world: int, port: int, x, mask, out_dir: str) -> N
         "var": core.masked_var(xs, ms, allreduce_sum=allreduce_sum),
     }
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # neither process leaves while the other still has gloo traffic in flight
     dist.destroy_process_group()
 
 

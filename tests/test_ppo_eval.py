@@ -206,6 +206,7 @@ def _shard_worker(rank: int, world: int, port: int, base: str, out_dir: str) -> 
     ev = held_out(tok, FIRST)
     ev.prompts = HELD_OUT[:5]  # shards of 3 and 2 prompts
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(ev(t)))
+    dist.barrier()  # neither process leaves while the other still has gloo traffic in flight
     dist.destroy_process_group()
 
 
