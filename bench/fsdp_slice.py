@@ -71,15 +71,25 @@ def peak_rss(root: int) -> dict[int, float]:
     return out
 
 
-def current_rss(root: int) -> list[float]:
-    """The current RSS (GiB) of each process under `root`."""
+def current_rss(root: int) -> list[tuple[float, float]]:
+    """(anonymous, file-backed) resident GiB of each process under `root` (RssAnon, RssFile + RssShmem): memory
+    the process allocated, and pages of mapped files (safetensors) it touched, shared with the page cache."""
     import psutil
 
     try:
         procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
-        return [p.memory_info().rss / 1024 ** 3 for p in procs]
     except psutil.Error:
         return []
+    out = []
+    for p in procs:
+        try:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in
+                                                    Path(f"/proc/{p.pid}/status").read_text().splitlines())
+                  if k in ("RssAnon", "RssFile", "RssShmem")}
+        except (OSError, ValueError):
+            continue
+        out.append((kb.get("RssAnon", 0) / 1024 ** 2, (kb.get("RssFile", 0) + kb.get("RssShmem", 0)) / 1024 ** 2))
+    return out
 
 
 def run(work: Path, device: str, policy: Path, reward: Path, gather: bool = True) -> dict:
@@ -104,13 +114,14 @@ def run(work: Path, device: str, policy: Path, reward: Path, gather: bool = True
     log = work / f"ppo-{device}.log"
     t0 = time.perf_counter()
     peaks: dict[int, float] = {}
-    timeline = []  # (seconds, the largest current RSS of a process, GiB): where in the run the peak falls
+    timeline = []  # (seconds, anonymous GiB, file-backed GiB) of the process with the most: where the peak falls
     with open(log, "w", encoding="utf-8") as f:
         proc = subprocess.Popen([str(RLHF), *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work)
         while proc.poll() is None:
             for pid, gib in peak_rss(proc.pid).items():
                 peaks[pid] = max(peaks.get(pid, 0.0), gib)
-            timeline.append((round(time.perf_counter() - t0, 1), round(max(current_rss(proc.pid) or [0.0]), 2)))
+            anon, file = max(current_rss(proc.pid) or [(0.0, 0.0)], key=sum)
+            timeline.append((round(time.perf_counter() - t0, 1), round(anon, 2), round(file, 2)))
             time.sleep(0.5)
     (work / f"ppo-{device}.rss.json").write_text(json.dumps(timeline) + "\n", encoding="utf-8")
     text = log.read_text(encoding="utf-8", errors="replace")

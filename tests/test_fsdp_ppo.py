@@ -192,3 +192,30 @@ def test_sampling_layer_by_layer_changes_no_number(runs):
                       f"ppo.output_dir={run / 'ppo-fsdp-layers'}")
     assert rc == 0, err[-3000:]
     assert not differences(scalars(run / "ppo-fsdp-layers"), scalars(run / "ppo-fsdp"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@LONG_TEST
+def test_two_machines_on_one_host_finish_one_sharded_run(runs):
+    """Two "machines" on 127.0.0.1, one process each (`device.num_machines=2`, `device.machine_rank=0|1`): the
+    same command on each, machine 0 the main one. They form one world of 2 and finish one run, written once
+    (machine 0 writes; the directory is shared, as on a cluster's file system), equal to the one-machine
+    2-process run to the tolerance."""
+    from test_dist import _free_port
+
+    root, run = runs
+    port = _free_port()
+    machine = ["device.num_processes=1", "device.num_machines=2", "device.main_process_ip=127.0.0.1",
+               f"device.main_process_port={port}"]
+    args = ["ppo", *FSDP, *PPO, *machine, f"ppo.output_dir={run / 'two-machines'}"]
+    logs = [run / f"machine{r}.log" for r in range(2)]
+    with logs[0].open("w") as f0, logs[1].open("w") as f1, \
+            rlhf_process(root, *args, "device.machine_rank=0", stdout=f0, stderr=subprocess.STDOUT) as m0, \
+            rlhf_process(root, *args, "device.machine_rank=1", stdout=f1, stderr=subprocess.STDOUT) as m1:
+        rcs = [m.wait(timeout=SAFETY_S) for m in (m0, m1)]
+    assert rcs == [0, 0], [log.read_text()[-3000:] for log in logs]
+    m = read(run / "two-machines" / "metrics.json")
+    assert m["world_size"] == 2 and m["updates"] == UPDATES
+    assert "--num_machines 2" in logs[1].read_text() and "--machine_rank 1" in logs[1].read_text()
+    assert not differences(scalars(run / "two-machines"), scalars(run / "ppo-fsdp"))
