@@ -426,10 +426,15 @@ def check_finite(model, what: str, where) -> None:
     """Refuse a model with NaN/inf weights (e.g. written by a run whose learning rate was far too high)."""
     for name, p in model.named_parameters():
         # a float32 sum is finite for finite weights (short of overflow, which the exact check then settles) and
-        # several times cheaper than isfinite() on bf16 tensors
-        if not bool(torch.isfinite(p.detach().sum(dtype=torch.float32))) and not bool(torch.isfinite(p).all()):
-            raise RlhfError(f"{what} at {where} has non-finite weights ({name}); it came from a diverged run: "
-                            "retrain it with a lower learning rate")
+        # several times cheaper than isfinite() on bf16 tensors. Chunk by chunk: a bf16 tensor summed in float32
+        # is first copied whole in float32 (an 8B model's embedding: 2.3 GiB more at its peak)
+        for chunk in p.detach().reshape(-1).split(FINITE_CHUNK):
+            if not bool(torch.isfinite(chunk.sum(dtype=torch.float32))) and not bool(torch.isfinite(chunk).all()):
+                raise RlhfError(f"{what} at {where} has non-finite weights ({name}); it came from a diverged run: "
+                                "retrain it with a lower learning rate")
+
+
+FINITE_CHUNK = 1 << 24  # elements per step of check_finite: 64 MiB in float32
 
 
 def fp32_trainables(model) -> None:

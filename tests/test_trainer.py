@@ -390,6 +390,23 @@ def test_truncated_weights_and_non_finite_models_are_refused(base, tmp_path):
         load_policy(tmp_path / "nan", torch.float32)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_found_in_any_chunk(monkeypatch, bad):
+    """check_finite reads a tensor chunk by chunk (no whole float32 copy of a bf16 embedding): a bad element in
+    the last, short chunk of a bf16 weight is found; finite weights whose float32 sum overflows pass."""
+    from rlhf_cli import models
+
+    monkeypatch.setattr(models, "FINITE_CHUNK", 7)
+    lin = torch.nn.Linear(5, 6).to(torch.bfloat16)  # 30 weights: chunks of 7, 7, 7, 7 and 2
+    with torch.no_grad():
+        lin.weight.fill_(3e38)  # finite in bf16; 7 of them sum to inf in float32
+    models.check_finite(lin, "the model", "here")
+    with torch.no_grad():
+        lin.weight.view(-1)[29] = bad
+    with pytest.raises(RlhfError, match=r"the model at here has non-finite weights \(weight\)"):
+        models.check_finite(lin, "the model", "here")
+
+
 # ------------------------------------------------------------------------------------------- estimators, rewards
 def rules(tmp_path, body: str) -> str:
     """A reward-function file; returns its directory (the functions are `<dir>/rules.py:<name>`)."""
