@@ -440,7 +440,9 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     """Peak growth of the anonymous resident memory of `rlhf sft`, `rlhf reward` and `rlhf ppo` (tiny recipe, each
     in a fresh process, after its imports) against each stage's plan, with the lengths the doctor reads from the data. The same run
     reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on timing), so each stage runs
-    twice and its peak is the higher one."""
+    twice and its peak is the higher one. PPO runs with device.fast_paths=off: the doctor plans the stock forward
+    (what GPUs run); the CPU speed paths pick kernels by what the CPU has, and their memory differs by CPU (tiny
+    PPO on two AMD EPYC generations: 99 and 170 MiB), which the benchmarks measure."""
     from rlhf_cli.stages.doctor import data_lengths
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -450,8 +452,8 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     report = []
     for stage, ov in (("sft", ["sft.max_steps=5", "sft.eval_steps=100"]),
                       ("reward", ["reward.max_steps=5", "reward.eval_steps=100"]),
-                      ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0"]),
-                      ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16"])):
+                      ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0", "device.fast_paths=off"]),
+                      ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16", "device.fast_paths=off"])):
         peaks = []
         for _ in range(2):
             command = stage.split("+")[0]
@@ -469,7 +471,4 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
         report.append((stage, plan.peak / M.MiB, measured / M.MiB, err))
     print("; ".join(f"tiny {s}: plan {pl:.0f} MiB, measured {me:.0f} MiB, error {100 * e:+.0f}%"
                     for s, pl, me, e in report))
-    assert all(abs(e) <= 0.20 for s, *_, e in report if s != "ppo+eval"), report
-    # the held-out evaluation samples eval.batch_size prompts at a time, twice the rollout's chunk here: its phase
-    # is planned with the same allocator slack as the rollout's, which it needs less of; never under
-    assert 0.0 <= report[-1][-1] <= 0.30, report
+    assert all(abs(e) <= 0.20 for *_, e in report), report
