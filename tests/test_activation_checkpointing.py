@@ -67,3 +67,23 @@ def test_the_config_key_wraps_policy_and_value_layers_and_turns_the_fast_paths_o
     off = build_ppo_models(cfg_for(base, "off"), tok, torch.device("cpu"), torch.float32, accel.configure(
         cfg_for(base, "off"), "cpu"))
     assert not swapped(off.policy) and not swapped(off.value)
+
+
+def test_a_sharded_policy_on_the_cpu_gives_its_head_a_contiguous_input(base):
+    """generate() reads the last position as a slice: on the CPU torch multiplies such a 3-D view by the weight
+    expanded per row, copying the whole weight first. Sharded placement on the CPU hooks the head so that it gets
+    a contiguous input: the same logits, and the head's forward sees a contiguous tensor."""
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.ppo.shard import contiguous_head_input
+
+    model = load_causal_lm(base, torch.float32).eval()
+    seen = []
+    # a forward hook sees the input as the pre-hooks left it
+    model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].is_contiguous()))
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        before = model(input_ids=ids, logits_to_keep=1).logits
+        contiguous_head_input(model)
+        after = model(input_ids=ids, logits_to_keep=1).logits
+    assert seen == [False, True]
+    torch.testing.assert_close(after, before)
