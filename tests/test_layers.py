@@ -63,3 +63,15 @@ def test_no_import_cycle():
         cycles += [f"{a} <-> {b}" for b in deps if a < b and a in graph.get(b, ()) and not b.startswith(a + ".")
                    and not a.startswith(b + ".")]
     assert not cycles, cycles
+
+
+def test_functions_stay_short_and_the_ppo_stage_small():
+    """No function in the package over 80 lines; `rlhf ppo`'s stage (which assembles the run from the ppo package)
+    at most 150 lines."""
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append((name, node.name, node.end_lineno - node.lineno + 1))
+    assert not long
+    assert len((PKG / "stages" / "ppo.py").read_text().splitlines()) <= 150

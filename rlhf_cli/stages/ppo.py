@@ -58,13 +58,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     functions = {spec: RewardFunction.load(spec, extra, timeout_s=p.reward_timeout_s, retries=p.reward_retries)
                  for spec in c.reward if spec != REWARD_MODEL}  # a URL: a reward server (RemoteReward)
     gt = _sampling.ground_truth(cfg, examples)
-    held_out = None
-    if c.eval_every:  # ppo.eval_every: the held-out prompts, and the metric of ppo.keep_best
-        held_out = _sampling.prompts(cfg, tok, "eval", limit=int(cfg.eval.num_prompts))
-        if not held_out[0]:
-            raise RlhfError(f"ppo.eval_every={c.eval_every}: every held-out prompt is longer than "
-                            f"data.max_prompt_length={cfg.data.max_prompt_length}; raise it, give other held-out "
-                            "data (data.eval_path), or set ppo.eval_every=0")
+    held_out = _held_out(cfg, tok, c.eval_every)
     evaluation.keep_best_metric(c.keep_best, c.eval_every, evaluation.metric_names(c.uses_reward_model,
                                                                                     gt is not None))
 
@@ -117,6 +111,19 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     acc.wait_for_everyone()
     acc.end_training()
     return metrics
+
+
+def _held_out(cfg, tok, eval_every: int):
+    """(prompts, examples) for ppo.eval_every, the held-out prompts that also give ppo.keep_best its metric;
+    None when it is 0."""
+    if not eval_every:
+        return None
+    held_out = _sampling.prompts(cfg, tok, "eval", limit=int(cfg.eval.num_prompts))
+    if not held_out[0]:
+        raise RlhfError(f"ppo.eval_every={eval_every}: every held-out prompt is longer than "
+                        f"data.max_prompt_length={cfg.data.max_prompt_length}; raise it, give other held-out "
+                        "data (data.eval_path), or set ppo.eval_every=0")
+    return held_out
 
 
 def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:
