@@ -146,6 +146,13 @@ def test_top_level_typos_ranges_and_interpolations(run_cli, args, needles):
     assert_one_line_error(run_cli("sft", *args), "sft", *needles)
 
 
+def test_a_new_entry_in_a_dict_value_names_the_plus_form(run_cli, tmp_path):
+    """`eval.policies={sft: ..., mine: ...}` gives the dict a key it does not have: one line naming the `+` form
+    that adds it."""
+    assert_one_line_error(run_cli("eval", f"eval.policies={{sft: {tmp_path}, mine: {tmp_path}}}"), "eval",
+                          "eval.policies.mine is not a key of eval.policies", "+eval.policies.mine=VALUE")
+
+
 def test_a_run_dir_that_is_a_file(run_cli, tmp_path):
     (tmp_path / "taken").write_text("mine\n")
     assert_one_line_error(run_cli("sft", f"run_dir={tmp_path / 'taken'}"), "sft",
