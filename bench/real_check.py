@@ -121,8 +121,19 @@ def ppo_phases(m: dict, plan_gib: float) -> dict:
     out["episodes_per_s"] = round(m["eps"], 3)
     if "memory/peak_gib" in m:
         out["gpu_peak_gib"] = round(m["memory/peak_gib"], 2)
+        out.update({f"gpu_{k}_peak_gib": round(m[f"memory/{k}_peak_gib"], 2) for k in ("generate", "score", "train")
+                    if f"memory/{k}_peak_gib" in m})
         out["doctor_plan_gib"] = round(plan_gib, 2)
     return out
+
+
+def gpu_peak(run_dir: Path, stage: str) -> float | None:
+    """A stage's peak GPU memory from its metrics.json (sft / reward / dpo: the highest training window; ppo: the
+    last update's highest phase); None off CUDA or without one."""
+    f = run_dir / stage / "metrics.json"
+    m = json.loads(f.read_text()) if f.is_file() else {}
+    value = m.get("gpu_train_peak_gib", m.get("memory/peak_gib"))
+    return round(value, 2) if value is not None else None
 
 
 def main(argv=None) -> int:
@@ -163,6 +174,7 @@ def main(argv=None) -> int:
         plan = plans.get(r["stage"])
         r["plan_gib"] = round(plan, 2) if plan else None
         r["rss_vs_plan"] = round(r["peak_rss_gib"] / plan, 3) if plan else None
+        r["gpu_peak_gib"] = gpu_peak(run_dir, r["stage"]) if a.device == "cuda" else None
     result = {"precision": a.precision, "device": a.device, "threads": a.threads, "stages": rows}
     if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages):
         if "eval" in chosen:
@@ -177,10 +189,11 @@ def main(argv=None) -> int:
             result["dpo_metrics"] = json.loads((run_dir / "dpo" / "metrics.json").read_text())
         print(json.dumps({k: result[k] for k in ("changed_in_last_update", "dpo_lora_b_moved", "eval") if k in result}))
     (run_dir / "real_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n| stage | exit | wall (s) | peak RSS (GiB) | doctor plan (GiB) | RSS / plan |\n|---|---|---|---|---|---|")
+    print("\n| stage | exit | wall (s) | peak RSS (GiB) | peak GPU (GiB) | doctor plan (GiB) | RSS / plan |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['stage']} | {r['rc']} | {r['wall_s']} | {r['peak_rss_gib']} | {r['plan_gib'] or '-'} | "
-              f"{r['rss_vs_plan'] or '-'} |")
+        print(f"| {r['stage']} | {r['rc']} | {r['wall_s']} | {r['peak_rss_gib']} | {r['gpu_peak_gib'] or '-'} | "
+              f"{r['plan_gib'] or '-'} | {r['rss_vs_plan'] or '-'} |")
     return 0 if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages) else 1
 
 

@@ -175,7 +175,7 @@ def reference_logits(policy, ref_model, input_ids, attention_mask, position_ids,
 
 @torch.no_grad()
 def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=None, value_model=None,
-                    reward_model=None, device="cpu") -> Experience:
+                    reward_model=None, device="cpu", phase=None) -> Experience:
     """Sample a response per prompt and score it, `s.forward_batch_size` prompts at a time.
 
     policy: the model that samples (a PEFT model: its adapter-disabled self is the reference unless `ref_model`
@@ -184,7 +184,9 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
     with its own tokenizer). The
     log-probs come from the sampling pass, or with `s.recompute_logprobs` from a full forward like the
     update's (the two disagree in low precision). The scoring forwards run `s.score_batch_size` rows at a time,
-    rows of similar prompt length together (`score_groups`): a smaller peak and less padding than the chunk's."""
+    rows of similar prompt length together (`score_groups`): a smaller peak and less padding than the chunk's.
+    phase: name -> a context manager around each chunk's generation and scoring (`PhasePeaks.phase`)."""
+    phase = phase or (lambda name: contextlib.nullcontext())
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     gen_config = s.generation_config()
     stop_ids = list(s.stop_ids)
@@ -196,44 +198,51 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
         t0 = time.perf_counter()
         q_ids = enc["input_ids"][i: i + s.forward_batch_size].to(device)
         q_mask = enc["attention_mask"][i: i + s.forward_batch_size].to(device)
-        g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size, s.engine)
-        resp, rmask = g["response"], g["mask"]
-        R = resp.shape[1]  # a host sync: the generation time below is real on a GPU too
+        with phase("generate"):
+            g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size,
+                               s.engine)
+            resp, rmask = g["response"], g["mask"]
+            R = resp.shape[1]  # a host sync: the generation time below is real on a GPU too
         t1 = time.perf_counter()
-        input_ids = torch.cat([q_ids, resp], 1)
-        attn = torch.cat([q_mask, rmask.long()], 1)
-        pos = core.position_ids_from(attn)
-        logprobs, entropy = g["logprobs"], g["entropy"]
-        groups, inverse = score_groups(attn, s.score_batch_size)
+        with phase("score"):
+            input_ids = torch.cat([q_ids, resp], 1)
+            attn = torch.cat([q_mask, rmask.long()], 1)
+            pos = core.position_ids_from(attn)
+            logprobs, entropy = g["logprobs"], g["entropy"]
+            groups, inverse = score_groups(attn, s.score_batch_size)
 
-        def each(fn):
-            """fn(ids, mask, positions, rows, start) over the row groups, the outputs in row order."""
-            return _in_row_order([fn(input_ids[rows, st:], attn[rows, st:], pos[rows, st:], rows, st)
-                                  for rows, st in groups], inverse)
+            def each(fn):
+                """fn(ids, mask, positions, rows, start) over the row groups, the outputs in row order."""
+                return _in_row_order([fn(input_ids[rows, st:], attn[rows, st:], pos[rows, st:], rows, st)
+                                      for rows, st in groups], inverse)
 
-        if s.recompute_logprobs:
-            logprobs, entropy = each(lambda ids, am, ps, rows, st: core.logprobs_and_entropy(
-                policy_logits(policy, ids, am, ps, R, s.vocab_size), resp[rows], temp))
+            if s.recompute_logprobs:
+                logprobs, entropy = each(lambda ids, am, ps, rows, st: core.logprobs_and_entropy(
+                    policy_logits(policy, ids, am, ps, R, s.vocab_size), resp[rows], temp))
 
-        def ref_logprobs_of(ids, am, ps, rows, st):
-            logits = reference_logits(policy, ref_model, ids, am, ps, R, s.vocab_size)
-            # divided in place (the same numbers as passing the temperature): one (b, R, V) buffer less at the peak
-            return core.logprobs_from_logits(logits.div_(temp) if temp != 1.0 else logits, resp[rows], 1.0)
+            def ref_logprobs_of(ids, am, ps, rows, st):
+                logits = reference_logits(policy, ref_model, ids, am, ps, R, s.vocab_size)
+                # divided in place (the same numbers as passing the temperature): one (b, R, V) buffer less at
+                # the peak
+                scaled = logits.div_(temp) if temp != 1.0 else logits
+                return core.logprobs_from_logits(scaled, resp[rows], 1.0)
 
-        ref_logprobs = each(ref_logprobs_of)
-        values = None
-        if value_model is not None:
-            values = each(lambda ids, am, ps, rows, st: value_model(ids, am, ps, response_length=R))
-        has_stop = torch.isin(resp, stop_t).any(-1) if stop_t is not None \
-            else torch.zeros(resp.shape[0], dtype=torch.bool, device=device)
-        texts = tok.batch_decode(resp, skip_special_tokens=True)
-        rm_scores = None
-        if isinstance(reward_model, TextRewardModel):  # its own tokenizer: the texts re-rendered and re-tokenized
-            rm_scores = reward_model(prompts[i: i + s.forward_batch_size], texts, has_stop.tolist()).to(device)
-        elif reward_model is not None:
-            last = q_ids.shape[1] + core.last_token_index(rmask)
-            rm_scores = each(lambda ids, am, ps, rows, st: reward_model.score_at(ids, am, ps, last[rows] - st))
-        empty = torch.tensor([not t.strip() for t in texts], device=device)
+            ref_logprobs = each(ref_logprobs_of)
+            values = None
+            if value_model is not None:
+                values = each(lambda ids, am, ps, rows, st: value_model(ids, am, ps, response_length=R))
+            has_stop = torch.isin(resp, stop_t).any(-1) if stop_t is not None \
+                else torch.zeros(resp.shape[0], dtype=torch.bool, device=device)
+            texts = tok.batch_decode(resp, skip_special_tokens=True)
+            rm_scores = None
+            chunk_prompts = prompts[i: i + s.forward_batch_size]
+            if isinstance(reward_model, TextRewardModel):  # its own tokenizer: the texts re-tokenized
+                rm_scores = reward_model(chunk_prompts, texts, has_stop.tolist()).to(device)
+            elif reward_model is not None:
+                last = q_ids.shape[1] + core.last_token_index(rmask)
+                rm_scores = each(lambda ids, am, ps, rows, st:
+                                 reward_model.score_at(ids, am, ps, last[rows] - st))
+            empty = torch.tensor([not t.strip() for t in texts], device=device)
         t_gen, t_score = t_gen + (t1 - t0), t_score + (time.perf_counter() - t1)
         chunks.append(Experience(input_ids=input_ids, attention_mask=attn, position_ids=pos, response_ids=resp,
                                  response_mask=rmask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.gpu_memory import PhasePeaks
 from rlhf_cli.ppo import checkpoint, core, evaluation, rewards, shard
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
@@ -134,6 +135,7 @@ class PPOTrainer:
                                                frozenset())
         self.ground_truth, self.writer, self.hooks = ground_truth, writer, hooks or Hooks()
         self.device, self.world, self.rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+        self.peaks = PhasePeaks(self.device)
         self.ref, self.reward, self.score_stats = models.ref, models.reward, models.score_stats
         if c.uses_reward_model and models.reward is None:
             raise RlhfError(f"ppo.reward={list(c.reward)} names the reward model, but none was loaded")
@@ -212,7 +214,7 @@ class PPOTrainer:
         with self.autocast():
             exp = make_experience([self.stream.prompts[i] for i in idx], self.tok, self.unwrapped,
                                   self.sampling, ref_model=self.ref, value_model=self.value,
-                                  reward_model=self.reward, device=self.device)
+                                  reward_model=self.reward, device=self.device, phase=self.peaks.phase)
         if exp.rm_scores is not None and not bool(torch.isfinite(exp.rm_scores).all()):
             self._fail("the reward model gave non-finite scores",
                        "the reward model is broken: retrain it (`rlhf reward` with a lower reward.learning_rate)")
@@ -583,7 +585,8 @@ class PPOTrainer:
             t_gen = clock() - t0
             exp = self.compute_advantages(exp)                     # step 3+4. rewards, advantages
             t1 = clock()
-            stats = self.update(exp)                               # step 5. PPO epochs
+            with self.peaks.phase("train"):
+                stats = self.update(exp)                           # step 5. PPO epochs
             t_train = clock() - t1
             self.progress.update, self.progress.episodes = update, self.progress.episodes + sz.batch_size
             metrics = self.metrics(exp, stats)                     # step 6. log, checkpoint
@@ -594,10 +597,10 @@ class PPOTrainer:
             evaluated = self.evaluator is not None and (update % c.eval_every == 0 or update == sz.num_updates)
             if evaluated:                                          # held-out prompts (not counted in eps)
                 t2 = clock()
-                metrics.update(self.evaluator(self))
+                with self.peaks.phase("eval"):
+                    metrics.update(self.evaluator(self))
                 metrics["time/eval_s"] = clock() - t2
-            if self.device.type == "cuda":
-                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            metrics.update(self.peaks.take())                      # GPU peaks per phase (none off CUDA)
             self.progress.metrics = metrics
             self.kl_ctl.update(metrics["objective/kl"], sz.batch_size)
             if evaluated and self.keep is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli import gpu_memory
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import process_rank, read_json, write_json
 from rlhf_cli.launch import is_sharded, strategy, trainer_strategy_kwargs
@@ -556,6 +557,7 @@ def training_console(trainer, stage: str, learning_rate: float) -> Iterator[None
     progress = _training_progress_class()(stage)
     trainer.add_callback(progress)
     trainer.add_callback(_finite_guard_class()(trainer, stage, learning_rate))
+    gpu_memory.add_first(trainer, gpu_memory.trainer_callback())  # per-log GPU peaks, written with the log
     try:
         with logging_redirect_tqdm():
             yield

@@ -26,6 +26,7 @@ import math
 import time
 from pathlib import Path
 
+from rlhf_cli import gpu_memory
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir, write_json
@@ -142,7 +143,8 @@ def run(cfg) -> None:
                        "eval_margin": ev.get("eval_rewards/margins"), "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss, "steps": step,
                        "train_pairs": n_train, "eval_pairs": n_eval, "train_seconds": round(seconds, 2),
                        "policy_dir": str(policy_dir), "lora": bool(d.lora.enabled), "loss_type": str(d.loss_type),
-                       "beta": float(d.beta), "rpo_alpha": d.rpo_alpha, "resumed_from": ckpt.resumed_step}
+                       "beta": float(d.beta), "rpo_alpha": d.rpo_alpha, "resumed_from": ckpt.resumed_step,
+                       **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
             ckpt.finish(out)
     ckpt.drop()

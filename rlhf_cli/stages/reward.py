@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli import gpu_memory
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
@@ -113,7 +114,8 @@ def run(cfg) -> None:
                        "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss,
                        "steps": step, "train_pairs": len(trainer.train_dataset),
                        "eval_pairs": n_eval, "train_seconds": round(seconds, 2), "init_from": str(init),
-                       "score_mean": stats["mean"], "score_std": stats["std"], "resumed_from": ckpt.resumed_step}
+                       "score_mean": stats["mean"], "score_std": stats["std"], "resumed_from": ckpt.resumed_step,
+                       **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
             ckpt.finish(out)
     ckpt.drop()

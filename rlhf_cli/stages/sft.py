@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_cli import data as D
+from rlhf_cli import gpu_memory
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.models import (
     base_model_dir,
@@ -119,7 +120,8 @@ def run(cfg) -> None:
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
                        "steps": result.global_step, "train_rows": n_train, "eval_rows": n_eval,
                        "train_seconds": round(seconds, 2), "base_model": str(base),
-                       "resumed_from": ckpt.resumed_step}
+                       "resumed_from": ckpt.resumed_step,
+                       **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
             ckpt.finish(out)
     ckpt.drop()
