@@ -26,8 +26,10 @@ print(f"native bf16 {cuda_bf16_native('cuda')}; auto precision: weights {resolve
       f"compute {resolve_compute_dtype('auto', 'cuda')}")
 PY
 # the speed paths of rlhf_cli/accel against the stock code on this GPU (device.fast_paths=on vs off): the same
-# numbers are what a path needs before `auto` may turn it on for CUDA (rlhf_cli.accel.PROVEN_ON)
-.venv/bin/python -m pytest -q -m gpu tests/test_fast_paths.py
+# numbers are what a path needs before `auto` may turn it on for CUDA (rlhf_cli.accel.PROVEN_ON); the sampling
+# loop, the one-token step and the last-layer span against the stock forwards with uneven left padding, for sdpa,
+# eager and flash_attention_2 (bf16; skipped unless the flash-attn package is installed)
+.venv/bin/python -m pytest -q -rs -m gpu tests/test_fast_paths.py tests/test_tail.py tests/test_sampling.py
 # several GPUs: the tiny demo chain's PPO replicated (ddp) and sharded (fsdp), and a sharded sft, each rank on its
 # own GPU; NCCL takes only tensors on the process's GPU, so a misplaced one ends these runs
 GPUS=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count())")

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from places import CUDA
 from torch import nn
 
 from rlhf_cli import accel
@@ -56,8 +57,6 @@ def test_on_a_cuda_device_auto_keeps_the_stock_code(base, tok):
     assert swapped(models.policy) and swapped(models.value) and len(models.on_optimizer) == 1
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="needs a CUDA device")])
 
 
 def one_update(base, tok, tmp_path, mode: str, device: str = "cpu") -> dict:

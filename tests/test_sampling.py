@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from places import FLASH, PLACES, dtype_for, tolerance
 
 from rlhf_cli.accel import sample_loop as ro
 from rlhf_cli.ppo import core, sampling
@@ -38,16 +39,22 @@ def prompts():
     return ids, (ids != PAD).long()
 
 
+@pytest.mark.parametrize("device, attn", PLACES)
 @torch.no_grad()
-def test_greedy_matches_generate(model):
-    ids, mask = prompts()
+def test_greedy_matches_generate(model, device, attn):
+    """Prompts with uneven left padding; on CUDA with each attention implementation (the qwen3 decoder of the
+    one-token step tests; on the CPU with sdpa, the module's model)."""
+    if (device, attn) != ("cpu", "sdpa"):
+        model = _llama_like("qwen3", attn).to(device, dtype_for(attn))
+    ids, mask = (t.to(device) for t in prompts())
     g = gen_config(do_sample=False, temperature=None, top_k=None, top_p=None)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=g)
     r = ro.sample_loop(model, ids, mask, ro.effective_generation_config(model, g), [EOS], keep_logits=True)
     resp, logits = r["response"], r["logits"]
     ref = out.sequences[:, ids.shape[1]:]
     assert torch.equal(resp, ref[:, : resp.shape[1]])
-    torch.testing.assert_close(logits, torch.stack(out.logits, 1)[:, : resp.shape[1]], atol=1e-5, rtol=1e-5)
+    tol = tolerance(attn) if attn == FLASH else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, torch.stack(out.logits, 1)[:, : resp.shape[1]].to(logits.dtype), **tol)
 
 
 @torch.no_grad()
@@ -301,7 +308,7 @@ def test_sampling_steps_through_weight_first_linears_score_like_a_full_forward(m
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-6, rtol=1e-5)
 
 
-def _llama_like(kind: str):
+def _llama_like(kind: str, attn: str = "sdpa"):
     """Tiny random decoders of the three kinds the one-token step supports (GQA, untied head; Qwen2 with biases)."""
     import transformers as tf
 
@@ -310,6 +317,7 @@ def _llama_like(kind: str):
                   eos_token_id=EOS, bos_token_id=2)
     cfg = {"qwen3": lambda: tf.Qwen3Config(head_dim=8, **common), "qwen2": lambda: tf.Qwen2Config(**common),
            "llama": lambda: tf.LlamaConfig(head_dim=4, attention_bias=True, **common)}[kind]()
+    cfg._attn_implementation = attn
     cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "llama": tf.LlamaForCausalLM}[kind]
     torch.manual_seed(5)
     m = cls(cfg).eval()
@@ -319,25 +327,30 @@ def _llama_like(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("device, attn", PLACES)
 @torch.no_grad()
-def test_one_token_decoder_gives_the_stock_forward_logits(kind):
+def test_one_token_decoder_gives_the_stock_forward_logits(kind, device, attn):
+    """Prompts with uneven left padding, then five teacher-forced steps; on CUDA too. The step computes sdpa's
+    attention: a model on another implementation keeps the stock step."""
     from rlhf_cli.accel.decode import Decoder
 
-    m = _llama_like(kind)
-    ids, mask = prompts()
+    m = _llama_like(kind, attn).to(device, dtype_for(attn))
+    ids, mask = (t.to(device) for t in prompts())
     pos = core.position_ids_from(mask)
     caches = [ro.preallocated_cache(m, 16), ro.preallocated_cache(m, 16)]
     logits = [m(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c, use_cache=True).logits[:, -1]
               for c in caches]
     step = Decoder.of(m, caches[1])
-    assert step is not None
+    if attn != "sdpa":
+        assert step is None
+        return
     for t in range(5):  # teacher-forced: both paths get the same next tokens
         nxt = logits[0].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(nxt[:, None])], 1)
         pos = pos[:, -1:] + 1
         logits = [m(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=caches[0],
                     use_cache=True).logits[:, -1], step(nxt, mask, pos)]
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logits[1], logits[0], **tolerance(attn))
     assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] + 5
 
 
