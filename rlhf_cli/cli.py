@@ -127,9 +127,8 @@ def hydra_failure(e: BaseException) -> str:
                        "that uses it a value on the command line"
             return f"{str(err).splitlines()[0].rstrip('.')} (in {key})"
         if isinstance(err, OmegaConfBaseException):
-            new = re.match(r"Key '([^']+)' is not in struct", str(err))
             key = getattr(err, "full_key", None) or ""
-            if new and "." in key:  # a dict value given new keys: `eval.policies={sft: ..., mine: ...}`
+            if str(err).startswith("Key '") and "is not in struct" in str(err) and "." in key:  # a dict value given new keys: `eval.policies={sft: ..., mine: ...}`
                 return (f"{key} is not a key of {key.rsplit('.', 1)[0]}; a new entry is added with a leading +: "
                         f"+{key}=VALUE")
             return str(err).splitlines()[0]

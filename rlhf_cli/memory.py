@@ -102,7 +102,7 @@ ALLOCATOR_SLACK = {"cpu": 2.0, "cuda": 1.1}
 # code's objects and caches at the first call (~10 MiB anonymous memory on the CPU), and the stock forwards and
 # generate() leave more freed blocks resident than the fast paths (the tiny PPO run measured 125-154 MiB of
 # anonymous growth over eight runs against 111 MiB planned without this constant)
-GENERATE_RUNTIME_MIB = 24
+STOCK_RUNTIME_MIB = 24
 
 
 @dataclass(frozen=True)
@@ -725,7 +725,7 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
         plan.items.append(Item("oneDNN primitive caches", ONEDNN_CACHE_BYTES,
                                f"{ONEDNN_CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
     if not fast_paths_on(cfg, ps):
-        plan.items.append(Item("stock code runtime", GENERATE_RUNTIME_MIB * MiB, "generate()'s code and caches, "
+        plan.items.append(Item("stock code runtime", STOCK_RUNTIME_MIB * MiB, "generate()'s code and caches, "
                                "allocated at its first call, and the stock forwards' resident free blocks"))
     b, resp = int(p.per_device_train_batch_size), int(p.response_length)
     prompt, prompt_note = prompt_tokens(cfg, s)
