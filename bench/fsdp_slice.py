@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RLHF = Path(sys.executable).with_name("rlhf")
+RLHF = [sys.executable, "-m", "rlhf_cli.cli"]  # also where no `rlhf` script sits beside python
 WIDTHS = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2, num_attention_heads=32,
               num_key_value_heads=8, head_dim=128, embedding_rows=151936)
 
@@ -116,7 +116,7 @@ def run(work: Path, device: str, policy: Path, reward: Path, gather: bool = True
     peaks: dict[int, float] = {}
     timeline = []  # (seconds, anonymous GiB, file-backed GiB) of the process with the most: where the peak falls
     with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.Popen([str(RLHF), *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work)
+        proc = subprocess.Popen([*RLHF, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work)
         while proc.poll() is None:
             for pid, gib in peak_rss(proc.pid).items():
                 peaks[pid] = max(peaks.get(pid, 0.0), gib)

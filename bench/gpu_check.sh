@@ -8,15 +8,26 @@
 # more, PPO under ddp and fsdp and a sharded sft on the tiny demo.
 #
 #   bash bench/gpu_check.sh [RUN_DIR]        # ~5 min on one H100/H200-class GPU; nothing in CI needs a GPU
+#
+# A GPU machine that cannot reach a package index: run `bash bench/gpu_wheels.sh` where pip works, bring .whl/
+# along, and this script uses the machine's own python3 (its CUDA torch) with those wheels on top.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/gpu-check}
-if [ ! -x .venv/bin/rlhf ]; then
+PY=.venv/bin/python
+if [ -d .whl ]; then
+  # a machine with no package index (bench/gpu_wheels.sh filled .whl/ elsewhere): its own python3 and CUDA torch,
+  # the carried wheels on top, rlhf from this checkout
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/rlhf-site .whl/*.whl
+  export PYTHONPATH="/tmp/rlhf-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  PY=python3
+elif [ ! -x .venv/bin/rlhf ]; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e .   # a CUDA build of torch comes with the GPU machine's default wheel
+  .venv/bin/pip install -q -e '.[test]'   # a CUDA build of torch comes with the GPU machine's default wheel
 fi
-.venv/bin/python - <<'PY'
+RLHF=("$PY" -m rlhf_cli.cli)
+"$PY" - <<'PY'
 import torch
 assert torch.cuda.is_available(), "no CUDA GPU visible"
 from rlhf_cli.models import cuda_bf16_native, resolve_compute_dtype, resolve_dtype
@@ -29,20 +40,20 @@ PY
 # numbers are what a path needs before `auto` may turn it on for CUDA (rlhf_cli.accel.PROVEN_ON); the sampling
 # loop, the one-token step and the last-layer span against the stock forwards with uneven left padding, for sdpa,
 # eager and flash_attention_2 (bf16; skipped unless the flash-attn package is installed)
-.venv/bin/python -m pytest -q -rs -m gpu tests/test_fast_paths.py tests/test_tail.py tests/test_sampling.py
+"$PY" -m pytest -q -rs -m gpu tests/test_fast_paths.py tests/test_tail.py tests/test_sampling.py
 # several GPUs: the tiny demo chain's PPO replicated (ddp) and sharded (fsdp), and a sharded sft, each rank on its
 # own GPU; NCCL takes only tensors on the process's GPU, so a misplaced one ends these runs
-GPUS=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count())")
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
   MULTI="$RUN_DIR/multi"
   Q=(device.num_processes=2 ppo.total_episodes=256 sft.max_steps=60 reward.max_steps=40 run_dir="$MULTI")
-  .venv/bin/rlhf sft device=ddp "${Q[@]}" && .venv/bin/rlhf reward device=ddp "${Q[@]}"
-  .venv/bin/rlhf ppo device=ddp "${Q[@]}" ppo.output_dir="$MULTI/ppo-ddp"
-  .venv/bin/rlhf ppo device=fsdp "${Q[@]}" ppo.output_dir="$MULTI/ppo-fsdp"
-  .venv/bin/rlhf ppo device=fsdp "${Q[@]}" ppo.output_dir="$MULTI/ppo-fsdp-layers" device.fsdp.gather_for_sampling=false
-  .venv/bin/rlhf sft device=fsdp "${Q[@]}" sft.output_dir="$MULTI/sft-fsdp"
+  "${RLHF[@]}" sft device=ddp "${Q[@]}" && "${RLHF[@]}" reward device=ddp "${Q[@]}"
+  "${RLHF[@]}" ppo device=ddp "${Q[@]}" ppo.output_dir="$MULTI/ppo-ddp"
+  "${RLHF[@]}" ppo device=fsdp "${Q[@]}" ppo.output_dir="$MULTI/ppo-fsdp"
+  "${RLHF[@]}" ppo device=fsdp "${Q[@]}" ppo.output_dir="$MULTI/ppo-fsdp-layers" device.fsdp.gather_for_sampling=false
+  "${RLHF[@]}" sft device=fsdp "${Q[@]}" sft.output_dir="$MULTI/sft-fsdp"
 else
   echo "one GPU: the ddp / fsdp runs need two (skipped)"
 fi
-exec .venv/bin/python bench/real_check.py --device cuda --precision bf16 --recipe-batches --response-length 200 \
+exec "$PY" bench/real_check.py --device cuda --precision bf16 --recipe-batches --response-length 200 \
   --run-dir "$RUN_DIR"

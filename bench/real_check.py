@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RLHF = Path(sys.executable).with_name("rlhf")
+RLHF = [sys.executable, "-m", "rlhf_cli.cli"]  # also where no `rlhf` script sits beside python
 STAGES = ("sft", "reward", "ppo", "dpo", "eval", "export", "chat")  # the chain, in order
 
 ARCH = ["model.name_or_path=tiny", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=3072",
@@ -65,7 +65,7 @@ def run_stage(args: list[str], log: Path) -> tuple[int, float, float]:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.Popen([str(RLHF), *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen([*RLHF, *args], stdout=f, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
