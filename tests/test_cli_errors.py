@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
+import subprocess
+import sys
 
 import pytest
 
@@ -35,10 +36,18 @@ def assert_one_line_error(result, command: str, *needles: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- fast paths
+HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
+
+
 def test_help_lists_commands_and_recipes_quickly(run_cli):
-    t0 = time.perf_counter()
+    """Quickly: `rlhf --help` loads none of the ML libraries (each takes seconds to import), a check that holds
+    however busy the machine is."""
+    probe = ("import contextlib, io, sys\nsys.argv = ['rlhf', '--help']\nfrom rlhf_cli import cli\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    cli.main()\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", (loaded.stdout, loaded.stderr)
     rc, out, err = run_cli("--help")
-    seconds = time.perf_counter() - t0
     assert rc == 0, err
     assert out.startswith("usage: rlhf <command>")
     for command in COMMANDS:
@@ -46,7 +55,6 @@ def test_help_lists_commands_and_recipes_quickly(run_cli):
     recipes_line = next(line for line in out.splitlines() if line.startswith("recipes"))
     for recipe in recipe_names():
         assert recipe in recipes_line
-    assert seconds < 2.0, seconds
     assert run_cli()[:2] == (0, out)  # no arguments: the same help
 
 

@@ -168,7 +168,7 @@ def test_killing_one_sharded_process_ends_the_run_and_resume_continues(runs):
         victim.send_signal(signal.SIGKILL)
         rc = p.wait(timeout=SAFETY_S)  # a safety net for a hang: it ends at the peer's first collective
         assert rc != 0
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a safety net, not a speed requirement
         while time.monotonic() < deadline and not all(_gone(c) for c in tree):
             time.sleep(0.1)
         left = [c for c in tree + _tagged(p.tag) if not _gone(c)]
