@@ -75,15 +75,16 @@ def inputs_digest() -> dict:
 
     files = [REPO / "rlhf_cli" / "demo" / "data" / "polite_train.jsonl", REPO / "rlhf_cli" / "demo" / "data" /
              "polite_test.jsonl", REPO / "recipes" / "tiny.yaml", REPO / "conf" / "stage" / "sft.yaml",
-             REPO / "conf" / "stage" / "reward.yaml", REPO / "conf" / "model" / "tiny.yaml", REPO / "rlhf_cli" / "tiny.py"]
+             REPO / "conf" / "stage" / "reward.yaml", REPO / "conf" / "model" / "tiny.yaml",
+             REPO / "rlhf_cli" / "tiny.py"]
     return {str(f.relative_to(REPO)): hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files if f.exists()}
 
 
 # PPO settings both sides take from the tiny recipe (rlhf's own config): the comparison is at equal settings
 SHARED = ("learning_rate", "kl_coef", "num_ppo_epochs", "total_episodes", "response_length", "temperature",
-          "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "rollout_forward_batch_size",
-          "warmup_ratio", "lr_scheduler_type", "weight_decay", "max_grad_norm", "gamma", "lam", "cliprange",
-          "cliprange_value", "vf_coef", "kl_estimator", "whiten_rewards")
+          "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+          "rollout_forward_batch_size", "warmup_ratio", "lr_scheduler_type", "weight_decay", "max_grad_norm", "gamma",
+          "lam", "cliprange", "cliprange_value", "vf_coef", "kl_estimator", "whiten_rewards")
 
 
 def render_prompts(work: Path, out: Path) -> dict:
@@ -166,8 +167,8 @@ def main(argv=None) -> int:
         print(f"learning: seed {seed}: rlhf ppo", flush=True)
         t0 = time.perf_counter()
         sh([RLHF, "ppo", f"seed={seed}", f"ppo.output_dir={ours_dir}", *pinned, "ppo.value_init=reward",
-            "ppo.stop_token=eos", "ppo.normalize_scores=false", "ppo.empty_response_penalty=null", "ppo.missing_eos_penalty=null",
-            "ppo.sample_every=0", f"device.threads={a.threads}"], work, log, a.threads)
+            "ppo.stop_token=eos", "ppo.normalize_scores=false", "ppo.empty_response_penalty=null",
+            "ppo.missing_eos_penalty=null", "ppo.sample_every=0", f"device.threads={a.threads}"], work, log, a.threads)
         ours_s = time.perf_counter() - t0
         print(f"learning: seed {seed}: TRL 1.12 PPOTrainer", flush=True)
         trl_json = work / f"trl_demo_s{seed}.json"
@@ -198,8 +199,9 @@ def main(argv=None) -> int:
         })
         s = per_seed[-1]
         print(f"learning: seed {seed}: RM gain rlhf {s['rlhf']['rm_score']['gain']:+.3f} trl "
-              f"{s['trl']['rm_score']['gain']:+.3f}; held-out polite sft {s['heldout']['sft']['ground_truth_rate']:.3f} "
-              f"rlhf {s['heldout']['rlhf']['ground_truth_rate']:.3f} trl {s['heldout']['trl']['ground_truth_rate']:.3f}",
+              f"{s['trl']['rm_score']['gain']:+.3f}; held-out polite sft "
+              f"{s['heldout']['sft']['ground_truth_rate']:.3f} rlhf {s['heldout']['rlhf']['ground_truth_rate']:.3f} "
+              f"trl {s['heldout']['trl']['ground_truth_rate']:.3f}",
               flush=True)
 
     def mean(xs):

@@ -56,8 +56,9 @@ def overrides(run_dir: Path, eval_file: Path, precision: str, device: str, threa
             "reward.max_length=128",
             "ppo.total_episodes=4", "ppo.per_device_train_batch_size=2", "ppo.gradient_accumulation_steps=1",
             "ppo.num_mini_batches=1", "ppo.rollout_forward_batch_size=2", "ppo.learning_rate=1e-5",
-            "dpo.per_device_train_batch_size=2", "dpo.gradient_accumulation_steps=1", "dpo.per_device_eval_batch_size=4",
-            "dpo.eval_steps=100", "dpo.logging_steps=1", "dpo.max_length=128", "eval.batch_size=2"]
+            "dpo.per_device_train_batch_size=2", "dpo.gradient_accumulation_steps=1",
+            "dpo.per_device_eval_batch_size=4", "dpo.eval_steps=100", "dpo.logging_steps=1", "dpo.max_length=128",
+            "eval.batch_size=2"]
 
 
 def run_stage(args: list[str], log: Path) -> tuple[int, float, float]:

@@ -129,8 +129,8 @@ def check_prompt_tokens(wdir: Path, cfg, policy_dir: Path) -> int:
     trl_ids = trl_tok(prompts, add_special_tokens=False)["input_ids"]
     tok = load_tokenizer(policy_dir, cfg.model)
     examples = D.to_examples(D.read_rows(str(cfg.data.train_path)), "auto", str(cfg.data.train_path))
-    ours = [tok(D.prompt_text(tok, ex.prompt, False, bool(cfg.data.chat_template)), add_special_tokens=False)["input_ids"]
-            for ex in examples]
+    ours = [tok(D.prompt_text(tok, ex.prompt, False, bool(cfg.data.chat_template)),
+                add_special_tokens=False)["input_ids"] for ex in examples]
     if ours != trl_ids:
         bad = next(i for i, (a, b) in enumerate(zip(ours, trl_ids)) if a != b) if len(ours) == len(trl_ids) else -1
         raise SystemExit(f"prompt token ids differ from the TRL side's (first difference at prompt {bad})")

@@ -1,9 +1,11 @@
 """PPO benchmark: rlhf's PPO stage against TRL 1.12's PPOTrainer, side by side (`make bench`).
 
-    .venv/bin/python bench/run.py            # tiny, mini, mid, midsmall, small (about 70 min on a quiet 2-core box, 1 thread)
+    .venv/bin/python bench/run.py            # tiny, mini, mid, midsmall, small (about 70 min on a quiet 2-core box,
+                                             # 1 thread)
     .venv/bin/python bench/run.py --quick    # smoke run: 1 repetition, few updates, results in bench/work/
     .venv/bin/python bench/run.py --only speed --workloads tiny --reps 5
-    .venv/bin/python bench/run.py --real     # `make bench-real`: Qwen3-0.6B's shape, LoRA, fp32 and bf16 (bf16 only on CPUs with bf16 units)
+    .venv/bin/python bench/run.py --real     # `make bench-real`: Qwen3-0.6B's shape, LoRA, fp32 and bf16
+                                             # (bf16 only on CPUs with bf16 units)
     .venv/bin/python bench/run.py --report-only   # rebuild bench/results/README.md from the JSON files
 
 What it does, in order:
@@ -182,7 +184,8 @@ def summarise_speed(runs: list[dict]) -> dict:
                 "gc_s_per_update": stats([r["gc_s"] / r["updates"] for r in rs if r.get("gc_s") is not None])
                 if side == "trl" else None,
                 "loadavg_runs": [r["loadavg_before"] for r in rs],
-                "eps_cv": round(statistics.pstdev([eps_of(r) for r in rs]) / statistics.mean([eps_of(r) for r in rs]), 3),
+                "eps_cv": round(statistics.pstdev([eps_of(r) for r in rs])
+                                / statistics.mean([eps_of(r) for r in rs]), 3),
                 "loadavg": stats([r["loadavg_before"] for r in rs]),
             }
         pairs = []
@@ -245,8 +248,9 @@ def real(args, work: Path, logfile: Path) -> list[dict]:
                 r = one_run(side, "real", "lora", shape, args.threads, raw, rep, logfile, precision)
                 runs.append(r)
                 sp = r.get("split_s") or {}
-                log(f"real {precision} {side_name(side):8s} rep {rep}: {eps_of(r):.4f} eps/s, {r['tokens_per_s']:.2f} tok/s, "
-                    f"peak RSS {r['peak_rss_mb']:.0f} MB, split " + " ".join(f"{k[:-2]} {sum(v):.1f}" for k, v in sp.items())
+                log(f"real {precision} {side_name(side):8s} rep {rep}: {eps_of(r):.4f} eps/s, "
+                    f"{r['tokens_per_s']:.2f} tok/s, peak RSS {r['peak_rss_mb']:.0f} MB, split "
+                    + " ".join(f"{k[:-2]} {sum(v):.1f}" for k, v in sp.items())
                     + f" (load {r['loadavg_before']:.1f})")
     mm += [matmul_rate(args.threads, d) for d in ("float32", "bfloat16")]
     log("matmul: " + ", ".join(f"{m['dtype']} {m['gflops']} GFLOP/s" for m in mm[2:]))
@@ -440,8 +444,8 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
         if noise:
             worst = max(noise, key=lambda x: x[3])
             L += ["", f"Noise: the spread of episodes/s between repetitions of one side (coefficient of variation) "
-                  f"was at most {worst[3]:.1%} ({worst[0]} {worst[1]}, {side_name(worst[2])}); the median 1-minute load "
-                  f"average at the start of the runs was "
+                  f"was at most {worst[3]:.1%} ({worst[0]} {worst[1]}, {side_name(worst[2])}); the median 1-minute "
+                  f"load average at the start of the runs was "
                   f"{statistics.median([n[4] for n in noise if n[4] is not None]):.2f} on "
                   f"{os.cpu_count()} cores. The CPU-time ratio (process CPU seconds of the loop) is less sensitive "
                   "to other jobs on the machine than the wall-clock ratio."]
@@ -465,7 +469,8 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                   "share |", "|---|---|---|---|---|---|"]
             for side, s in v["sides"].items():
                 f6 = f"{s['fraction_of_matmul_6N']:.0%}" if s["fraction_of_matmul_6N"] is not None else "n/a"
-                fx = f"{s['fraction_of_matmul_executed']:.0%}" if s["fraction_of_matmul_executed"] is not None else "n/a"
+                fx = (f"{s['fraction_of_matmul_executed']:.0%}" if s["fraction_of_matmul_executed"] is not None
+                      else "n/a")
                 L.append(f"| {side_name(side)} | {s['s_per_update_median']:.2f} | {s['gflops_6N']:.1f} | {f6} | "
                          f"{s['gflops_executed']:.1f} | {fx} |")
             L.append("")
@@ -492,9 +497,10 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
               f"Both sides start from the same `rlhf sft` policy and `rlhf reward` model (tiny recipe) and train "
               f"with the tiny recipe's PPO settings, given to both: {st['total_episodes']} episodes on the demo train "
               f"questions (chat template), {batch_text(st)}, {st['num_ppo_epochs']} PPO epochs, lr "
-              f"{st['learning_rate']:g} ({st.get('lr_scheduler_type', 'linear')}, warmup {st.get('warmup_ratio', 0):g}), "
-              f"kl_coef {st['kl_coef']:g}, γ {st.get('gamma', 1):g}, λ {st.get('lam', 0.95):g}, "
-              f"{st['response_length']}-token responses cut at EOS, temperature {st['temperature']:g}, {lora_text(st)}, "
+              f"{st['learning_rate']:g} ({st.get('lr_scheduler_type', 'linear')}, warmup "
+              f"{st.get('warmup_ratio', 0):g}), kl_coef {st['kl_coef']:g}, γ {st.get('gamma', 1):g}, "
+              f"λ {st.get('lam', 0.95):g}, {st['response_length']}-token responses cut at EOS, "
+              f"temperature {st['temperature']:g}, {lora_text(st)}, "
               "value model from the RM, raw RM scores (no normalisation or penalties); seeds "
               f"{', '.join(map(str, st['seeds']))}. Gains: mean of the last {st['window_updates']} updates minus "
               f"mean of the first {st['window_updates']} (training samples). Held-out: `rlhf eval` on the demo "
@@ -507,16 +513,19 @@ def markdown(speed_res: dict | None, roof: dict | None, learn: dict | None, meta
                      f"{h['sft']['ground_truth_rate']:.3f} | 0 |")
             for side in ("rlhf", "trl"):
                 x = ps[side]
-                L.append(f"| {ps['seed']} | {side_name(side)} | {x['rm_score']['first']:+.3f} → {x['rm_score']['last']:+.3f} "
+                L.append(f"| {ps['seed']} | {side_name(side)} | "
+                         f"{x['rm_score']['first']:+.3f} → {x['rm_score']['last']:+.3f} "
                          f"({x['rm_score']['gain']:+.3f}) | {x['polite_rate']['first']:.3f} → "
                          f"{x['polite_rate']['last']:.3f} ({x['polite_rate']['gain']:+.3f}) | "
                          f"{h[side]['rm_score_mean']:+.3f} | {h[side]['ground_truth_rate']:.3f} | "
                          f"{h[side]['kl_to_ref_mean']:.2f} |")
-        L += ["", f"Mean over seeds, held-out gain over the SFT start: RM score rlhf {s['rlhf']['heldout_rm_gain_mean']:+.3f} "
+        L += ["", f"Mean over seeds, held-out gain over the SFT start: RM score rlhf "
+              f"{s['rlhf']['heldout_rm_gain_mean']:+.3f} "
               f"vs TRL {s['trl']['heldout_rm_gain_mean']:+.3f}; polite rate rlhf "
               f"{s['rlhf']['heldout_polite_gain_mean']:+.3f} vs TRL {s['trl']['heldout_polite_gain_mean']:+.3f} "
               f"(SFT {s['sft']['heldout_polite_mean']:.3f}); KL to the reference (nats per response) rlhf "
-              f"{s['rlhf']['heldout_kl_mean']:.2f} vs TRL {s['trl']['heldout_kl_mean']:.2f}. Training-sample gains: RM rlhf "
+              f"{s['rlhf']['heldout_kl_mean']:.2f} vs TRL {s['trl']['heldout_kl_mean']:.2f}. "
+              "Training-sample gains: RM rlhf "
               f"{s['rlhf']['train_rm_gain_mean']:+.3f} vs TRL {s['trl']['train_rm_gain_mean']:+.3f}; polite rlhf "
               f"{s['rlhf']['train_polite_gain_mean']:+.3f} vs TRL {s['trl']['train_polite_gain_mean']:+.3f}. "
               "The first training batches of the two sides come from the same SFT policy and differ only by "
@@ -593,7 +602,8 @@ def real_section(res: dict) -> list[str]:
               "(square 1024-2048 matrices, median of the measurements before and after the runs): "
               + (", ".join(f"{d} {v:.0f} GFLOP/s" for d, v in sorted(rate.items())) or "not in this real.json")
               + ".", "",
-              "| precision | side | s per update | GFLOP/s achieved | share of the matmul rate |", "|---|---|---|---|---|"]
+              "| precision | side | s per update | GFLOP/s achieved | share of the matmul rate |",
+              "|---|---|---|---|---|"]
         for g in res["groups"].values():
             r = rate.get("float32" if g["precision"] == "fp32" else "bfloat16")
             for side, x in g["sides"].items():
@@ -759,7 +769,8 @@ def main(argv=None) -> int:
         runs, extra = real(a, work, logfile)
         runs = merged("real.json", runs)
         meta["wall_min"] = round((time.perf_counter() - t_start) / 60, 1)
-        real_res = {**extra, "settings": {"reps": a.reps, "threads": a.threads, "shape": QUICK_REAL if a.quick else REAL,
+        real_res = {**extra, "settings": {"reps": a.reps, "threads": a.threads,
+                                 "shape": QUICK_REAL if a.quick else REAL,
                                  "quick": a.quick, "precisions": a.precisions},
                     "machine": meta["machine"], "meta": meta, "groups": summarise_speed(runs), "runs": runs}
         (results / "real.json").write_text(json.dumps(real_res, indent=2) + "\n")

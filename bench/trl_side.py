@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--episodes-per-update", type=int, default=EPISODES_PER_UPDATE)
     p.add_argument("--micro-batch", type=int, default=PER_DEVICE_BATCH)
-    p.add_argument("--no-gc", action="store_true", help="disable the forced gc.collect()/empty_cache() calls in trl's PPO loop")
+    p.add_argument("--no-gc", action="store_true",
+                   help="disable the forced gc.collect()/empty_cache() calls in trl's PPO loop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="also write a cProfile of trainer.train() here")
     p.add_argument("--out", required=True, help="where to write the JSON result")
@@ -353,7 +354,8 @@ def main(argv=None) -> int:
     shutil.rmtree(outdir, ignore_errors=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("variant", "workload", "eps", "train_s", "peak_rss_mb", "gc_disabled", "scores_first", "scores_last")}))
+    print(json.dumps({k: result[k] for k in ("variant", "workload", "eps", "train_s", "peak_rss_mb", "gc_disabled",
+                                             "scores_first", "scores_last")}))
     return 0
 
 

@@ -201,8 +201,11 @@ def _corpus(seed: int = 1234) -> list[str]:
 def _prompt_candidates(seed: int, n: int) -> list[str]:
     rng = _rng(seed)
     names = _make_names(_rng(seed + 7), 120)
-    adjs = "good bad happy sad quick slow big small old new young bright dark warm cold quiet loud simple short long clear polite kind rude friendly helpful careful strange famous".split()
-    nouns = "weather city river mountain forest garden ocean island village market school library computer program language music painting movie book game team friend family cat dog bird fish horse tree flower stone".split()
+    adjs = ("good bad happy sad quick slow big small old new young bright dark warm cold quiet loud simple short long "
+            "clear polite kind rude friendly helpful careful strange famous").split()
+    nouns = ("weather city river mountain forest garden ocean island village market school library computer program "
+             "language music painting movie book game team friend family cat dog bird fish horse tree flower "
+             "stone").split()
     kinds = "story poem letter email note recipe plan song speech joke".split()
     places = "city river mountain forest garden ocean island village market school library park kitchen office".split()
     seasons = "spring summer autumn winter".split()

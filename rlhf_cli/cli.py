@@ -128,7 +128,8 @@ def hydra_failure(e: BaseException) -> str:
             return f"{str(err).splitlines()[0].rstrip('.')} (in {key})"
         if isinstance(err, OmegaConfBaseException):
             key = getattr(err, "full_key", None) or ""
-            if str(err).startswith("Key '") and "is not in struct" in str(err) and "." in key:  # a dict value given new keys: `eval.policies={sft: ..., mine: ...}`
+            # a dict value given new keys: `eval.policies={sft: ..., mine: ...}`
+            if str(err).startswith("Key '") and "is not in struct" in str(err) and "." in key:
                 return (f"{key} is not a key of {key.rsplit('.', 1)[0]}; a new entry is added with a leading +: "
                         f"+{key}=VALUE")
             return str(err).splitlines()[0]

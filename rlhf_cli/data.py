@@ -123,7 +123,8 @@ def _read_json(p: Path) -> Rows:
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         obj = obj["data"]
     if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
-        raise RlhfError(f"{p}: expected a JSON list of objects (or {{\"data\": [...]}}); use .jsonl for one object per line")
+        raise RlhfError(f"{p}: expected a JSON list of objects (or {{\"data\": [...]}}); "
+                        "use .jsonl for one object per line")
     return Rows(obj)
 
 

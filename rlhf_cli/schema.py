@@ -366,7 +366,8 @@ def check_override_keys(overrides: list[str], command: str = "") -> None:
         head = key.split(".", 1)[0].split("@", 1)[0]
         if head not in tops:  # a top-level typo (`+foo=bar`, `sed=1`) is refused like a group key's
             close = difflib.get_close_matches(head, sorted(tops - {"hydra", "command"}), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"`rlhf {command or '<command>'} --cfg job` prints the keys"
+            hint = (f"did you mean {close[0]}?" if close
+                    else f"`rlhf {command or '<command>'} --cfg job` prints the keys")
             raise RlhfError(f"{key} is not a config key; {hint}")
         if "." not in key or "@" in key or head not in GROUPS:
             continue

@@ -78,7 +78,8 @@ CASES = [
     Case("ppo ppo.lora.target_modules=[]", "ppo.lora.target_modules=[] is not a module name"),
     Case("ppo +ppo.target_kl_value=3", "ppo.target_kl_value is now ppo.adaptive_kl_target"),
     Case("ppo +ppo.lora.dropout=0.1", "ppo.lora.dropout is not a config key any more"),
-    Case("ppo ppo.advantage=grpo", "ppo.advantage=grpo compares the responses to one prompt, but ppo.samples_per_prompt=1"),
+    Case("ppo ppo.advantage=grpo",
+         "ppo.advantage=grpo compares the responses to one prompt, but ppo.samples_per_prompt=1"),
     Case("ppo ppo.advantage=ppo", "ppo.advantage=ppo is unknown; use one of gae, grpo, rloo, reinforce_pp"),
     Case("ppo ppo.reward=[rewardmodel]", "ppo.reward: rewardmodel is not a reward source"),
     # dpo

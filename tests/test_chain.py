@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 # Short but real: enough steps for the SFT loss to fall and the reward model to separate the demo pairs.
 QUICK = ["device.threads=1", "sft.max_steps=120", "sft.eval_steps=60", "reward.max_steps=80",
-         "reward.eval_steps=40", "ppo.total_episodes=96", "ppo.num_mini_batches=1", "ppo.save_every=1", "eval.num_prompts=32"]
+         "reward.eval_steps=40", "ppo.total_episodes=96", "ppo.num_mini_batches=1", "ppo.save_every=1",
+         "eval.num_prompts=32"]
 
 
 def rlhf(cwd: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:

@@ -282,8 +282,9 @@ def test_a_copied_run_loads_and_resumes_after_the_original_is_deleted(base, tok,
     assert json.loads((run / "ppo" / "adapter_base.json").read_text())["relative"] == "../sft"
     assert json.loads((ckpt / "adapter_base.json").read_text())["relative"] == "../../../sft"
     with torch.no_grad():  # in place, plain peft loads it from anywhere
-        torch.testing.assert_close(AutoPeftModelForCausalLM.from_pretrained(str(run / "ppo"))(torch.tensor([[5]])).logits,
-                                   a.unwrapped(torch.tensor([[5]])).logits)
+        torch.testing.assert_close(
+            AutoPeftModelForCausalLM.from_pretrained(str(run / "ppo"))(torch.tensor([[5]])).logits,
+            a.unwrapped(torch.tensor([[5]])).logits)
 
     moved = tmp_path / "elsewhere" / "tiny"
     shutil.copytree(run, moved)

@@ -171,7 +171,8 @@ def test_a_run_dir_that_is_a_file(run_cli, tmp_path):
 def test_a_response_longer_than_the_policy_s_positions(run_cli, tiny_base, tmp_path):
     limit = json.loads((tiny_base / "config.json").read_text())["max_position_embeddings"]
     line = assert_one_line_error(run_cli("ppo", f"ppo.policy_dir={tiny_base}", f"run_dir={tmp_path}",
-                                         f"ppo.response_length={limit * 10}", "ppo.reward=[rlhf_cli.demo:polite_reward]"),
+                                         f"ppo.response_length={limit * 10}",
+                                         "ppo.reward=[rlhf_cli.demo:polite_reward]"),
                                  "ppo", f"ppo.response_length={limit * 10} + data.max_prompt_length=",
                                  f"more than the {limit} the policy has", "lower ppo.response_length")
     assert not (tmp_path / "ppo").exists(), line

@@ -438,11 +438,11 @@ def test_doctor_qwen_recipe_offline(run_cli):
 @pytest.mark.slow
 def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     """Peak growth of the anonymous resident memory of `rlhf sft`, `rlhf reward` and `rlhf ppo` (tiny recipe, each
-    in a fresh process, after its imports) against each stage's plan, with the lengths the doctor reads from the data. The same run
-    reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on timing), so each stage runs
-    twice and its peak is the higher one. PPO runs with device.fast_paths=off: the doctor plans the stock forward
-    (what GPUs run); the CPU speed paths pick kernels by what the CPU has, and their memory differs by CPU (tiny
-    PPO on two AMD EPYC generations: 99 and 170 MiB), which the benchmarks measure."""
+    in a fresh process, after its imports) against each stage's plan, with the lengths the doctor reads from the
+    data. The same run reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on timing), so
+    each stage runs twice and its peak is the higher one. PPO runs with device.fast_paths=off: the doctor plans the
+    stock forward (what GPUs run); the CPU speed paths pick kernels by what the CPU has, and their memory differs by
+    CPU (tiny PPO on two AMD EPYC generations: 99 and 170 MiB), which the benchmarks measure."""
     from rlhf_cli.stages.doctor import data_lengths
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")

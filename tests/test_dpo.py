@@ -153,7 +153,8 @@ def test_two_cpu_processes_with_a_recipe(chain, tmp_path):
     out = tmp_path / "dpo_ddp"
     ok(rlhf(chain[0], "dpo", *SHORT, *LORA, "device=cpu-ddp", "device.num_processes=2", "dpo.max_steps=2",
             f"dpo.output_dir={out}"))
-    assert (out / "adapter_model.safetensors").is_file() and json.loads((out / "metrics.json").read_text())["steps"] == 2
+    assert ((out / "adapter_model.safetensors").is_file()
+            and json.loads((out / "metrics.json").read_text())["steps"] == 2)
 
 
 def test_the_recipe_group_passes_the_override_check():

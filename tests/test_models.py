@@ -266,7 +266,8 @@ def test_the_wrong_kind_of_model_is_refused(base, tok, tmp_path):
     assert models.model_kind(rm_dir) == "seq_cls" and models.model_kind(base) == "causal_lm"
     assert models.model_kind(tmp_path) is None  # nothing there to say
     with pytest.raises(RlhfError, match=r"rm holds a sequence classifier \(a reward or value model\), not a causal "
-                                        r"language model \(a policy\); point at a base model or at the output of rlhf sft"):
+                                        r"language model \(a policy\); point at a base model or at the output of "
+                                        r"rlhf sft"):
         models.load_policy(rm_dir, torch.float32)
     with pytest.raises(RlhfError, match=r"holds a causal language model \(a policy\), not a sequence classifier.*"
                                         r"a reward model comes from rlhf reward"):

@@ -51,7 +51,8 @@ def wait_for_checkpoint(proc: subprocess.Popen, partial: Path, step: int, timeou
         if ckpt is not None and int(ckpt.name.split("-")[1]) >= step:
             return ckpt
         if proc.poll() is not None:
-            pytest.fail(f"the run ended (exit {proc.returncode}) before checkpoint-{step}: {proc.stderr.read()[-3000:]}")
+            pytest.fail(f"the run ended (exit {proc.returncode}) before checkpoint-{step}: "
+                        f"{proc.stderr.read()[-3000:]}")
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail(f"no checkpoint-{step} in {partial} after {timeout} s")

@@ -37,7 +37,8 @@ def main() -> None:
     print(f"({a.rows}, {a.vocab}) fp32, {a.threads} thread(s), median ms of 5 calls")
     for shift in (0, -50, -80, -100, -200):
         x = base + shift
-        print(f"inputs near {shift:5d}: exp {ms(torch.exp, x):8.1f}  softmax {ms(lambda z: torch.softmax(z, -1), x):8.1f}")
+        print(f"inputs near {shift:5d}: exp {ms(torch.exp, x):8.1f}  "
+              f"softmax {ms(lambda z: torch.softmax(z, -1), x):8.1f}")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ backward below is the closed form
     x̂ = x·r,  r = (mean(x²) + ε)^-½,  y = w ⊙ x̂
     ∂L/∂x = r · (g⊙w) − x · r³ · mean((g⊙w) ⊙ x)        ∂L/∂w = Σ_rows g ⊙ x̂
 
-in five passes over x, two of them matrix-vector products (four without the weight's gradient). `fuse_rms_norms` switches a model's norm layers to
-it for fp32 CPU inputs only; any other input runs the layer's own forward. A layer is switched only when its own
-forward gives the same output as the fused one on a probe input (so a norm of another formula, such as Gemma's
-1 + w, is left alone).
+in five passes over x, two of them matrix-vector products (four without the weight's gradient). `fuse_rms_norms`
+switches a model's norm layers to it for fp32 CPU inputs only; any other input runs the layer's own forward. A
+layer is switched only when its own forward gives the same output as the fused one on a probe input (so a norm of
+another formula, such as Gemma's 1 + w, is left alone).
 
 A PEFT LoRA linear layer computes `base(x) + B(A(x)) · s`: the scaling and the sum are two more passes over the
 (tokens, out) output forward, and autograd adds a scaling pass and a sum of the two input gradients backward.

@@ -192,7 +192,8 @@ def weight_first_linears(model):
 def preallocated_cache(model, capacity: int):
     """A `DynamicCache` whose full-attention layers write into buffers sized for the whole sample (prompt +
     response) and hand out views of the filled part. The stock layer concatenates each step's keys and values
-    onto the cache, copying all of it every step (bench/probes/sampling_probe.py measures the share); the attention reads the same numbers either way. Other layer kinds (sliding windows, ...) are kept as they are."""
+    onto the cache, copying all of it every step (bench/probes/sampling_probe.py measures the share); the attention
+    reads the same numbers either way. Other layer kinds (sliding windows, ...) are kept as they are."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 

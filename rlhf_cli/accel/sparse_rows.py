@@ -12,8 +12,8 @@ and saves. In a forward with gradients, the module gathers the rows of the batch
 tensor and looks the tokens up in it, so the backward gives one (distinct tokens x hidden) gradient, which a hook on
 that leaf adds (`add_grad`) into the gradient of `param`, the rows `seen` of the matrix (grown when new tokens
 arrive, with zero moments for the new rows). AdamW steps `param` with the rest of the value model's group (`attach`),
-and a hook after each step copies the rows into the matrix (`write_back`). The rows `seen` are kept in the optimizer state of `param` ("rows"), so a checkpoint's
-optimizer state carries them and `after_load` rebuilds `param` on resume.
+and a hook after each step copies the rows into the matrix (`write_back`). The rows `seen` are kept in the optimizer
+state of `param` ("rows"), so a checkpoint's optimizer state carries them and `after_load` rebuilds `param` on resume.
 
 Used for the value model when it trains in full, in one process (with DDP each process would see other rows),
 with weight_decay 0 (`rlhf_cli.accel.FastPaths.value_embedding`; `ppo.sparse_value_embedding`).

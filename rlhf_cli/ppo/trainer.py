@@ -635,6 +635,7 @@ class PPOTrainer:
         """Nothing non-finite is published."""
         for p in self.pol_params + self.val_params:
             if not bool(torch.isfinite(p).all()):
-                self._fail("a trained weight became non-finite", f"lower ppo.learning_rate (now {self.c.learning_rate:g})")
+                self._fail("a trained weight became non-finite",
+                           f"lower ppo.learning_rate (now {self.c.learning_rate:g})")
         if not all(math.isfinite(v) for v in self.progress.metrics.values()):
             self._fail("a training metric became non-finite", f"lower ppo.learning_rate (now {self.c.learning_rate:g})")

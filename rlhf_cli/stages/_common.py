@@ -51,7 +51,8 @@ def trainer_kwargs(stage, cfg, work_dir: Path, precision: dict, n_train: int) ->
         log.info("%s: no checkpoints with device.strategy=%s (%s)", cfg.command, cfg.device.strategy, unsafe)
         save_steps = 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    steps_per_epoch = math.ceil(n_train / (stage.per_device_train_batch_size * stage.gradient_accumulation_steps * world))
+    steps_per_epoch = math.ceil(n_train / (stage.per_device_train_batch_size * stage.gradient_accumulation_steps
+                                           * world))
     log.info("%s: %d rows, %d optimizer steps per epoch (%d per device × %d accumulation × %d process(es))",
              cfg.command, n_train, steps_per_epoch, stage.per_device_train_batch_size,
              stage.gradient_accumulation_steps, world)
@@ -448,7 +449,8 @@ def _training_progress_class():
             if not state.is_world_process_zero:
                 return
             if self.eval_bar is None:
-                total = len(eval_dataloader) if eval_dataloader is not None and hasattr(eval_dataloader, "__len__") else None
+                total = (len(eval_dataloader) if eval_dataloader is not None and hasattr(eval_dataloader, "__len__")
+                         else None)
                 self.eval_bar = tqdm(total=total, desc=f"{self.stage} eval", unit="batch", leave=False,
                                      dynamic_ncols=True, disable=None)
             self.eval_bar.update(1)

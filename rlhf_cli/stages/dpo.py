@@ -140,7 +140,8 @@ def run(cfg) -> None:
         if trainer.is_world_process_zero():
             # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_accuracy": ev.get("eval_rewards/accuracies"),
-                       "eval_margin": ev.get("eval_rewards/margins"), "eval_loss": ev.get("eval_loss"), "train_loss": result.training_loss, "steps": step,
+                       "eval_margin": ev.get("eval_rewards/margins"), "eval_loss": ev.get("eval_loss"),
+                       "train_loss": result.training_loss, "steps": step,
                        "train_pairs": n_train, "eval_pairs": n_eval, "train_seconds": round(seconds, 2),
                        "policy_dir": str(policy_dir), "lora": bool(d.lora.enabled), "loss_type": str(d.loss_type),
                        "beta": float(d.beta), "rpo_alpha": d.rpo_alpha, "resumed_from": ckpt.resumed_step,

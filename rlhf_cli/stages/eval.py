@@ -1,11 +1,11 @@
 """`rlhf eval`: compare policies (by default the run's SFT and PPO) on held-out prompts.
 
 For each policy: mean reward-model score (none with `eval.reward_dir=null`), mean KL to the reference (the
-SFT policy: k1 summed over the response, on the policy's own samples), response length, EOS and empty rates, and the ground-truth rate where
-the data defines a checker (`data.ground_truth`: `demo_polite`, or any `module:function` returning a bool or a
-number in [0, 1]). Across policies: the RM win rate of PPO over SFT on the same prompts, and where the RM and
-the ground truth disagree (reward hacking shows up there first). Without a reward model (a run rewarded by
-functions alone) the report has everything else.
+SFT policy: k1 summed over the response, on the policy's own samples), response length, EOS and empty rates,
+and the ground-truth rate where the data defines a checker (`data.ground_truth`: `demo_polite`, or any
+`module:function` returning a bool or a number in [0, 1]). Across policies: the RM win rate of PPO over SFT on
+the same prompts, and where the RM and the ground truth disagree (reward hacking shows up there first). Without
+a reward model (a run rewarded by functions alone) the report has everything else.
 
 Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
 ground-truth verdict) and training_curves.png (from the PPO TensorBoard events). What one policy is measured

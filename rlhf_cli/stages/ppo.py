@@ -141,7 +141,8 @@ def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> 
         tok.save_pretrained(str(work / "merged"))
     write_json(work / "metrics.json", {
         **trainer.progress.metrics, "updates": trainer.sizes.num_updates, "total_episodes": trainer.progress.episodes,
-        "train_seconds": round(seconds, 2), "world_size": trainer.world, "policy_dir": str(Path(p.policy_dir).resolve()),
+        "train_seconds": round(seconds, 2), "world_size": trainer.world,
+        "policy_dir": str(Path(p.policy_dir).resolve()),
         "reward_dir": str(Path(p.reward_dir).resolve()) if c.uses_reward_model else None,
         "advantage": c.advantage, "reward": list(c.reward),
         **({"best": {k: v for k, v in trainer.best.items() if k != "eval"}} if trainer.best else {})})
