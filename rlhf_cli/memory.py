@@ -74,6 +74,7 @@ from rlhf_cli.accel.limits import (
     ONEDNN_CACHE_CAPACITY,
     ONEDNN_MIN_DIM,
     enabled,
+    onednn_by_default,
 )
 from rlhf_cli.choices import REWARD_MODEL, TRAIN_STAGES
 from rlhf_cli.precision import SHORT, precision
@@ -591,12 +592,13 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
 
 
 def _onednn_caches(cfg, a: Arch, s: Setup) -> bool:
-    """Whether PPO's linear layers may run on oneDNN here (rlhf_cli.accel.cpu_linear), decided without timing
-    anything: on the CPU, device.fast_paths not off, device.cpu_matmul not blas, fp32 weights and compute,
-    layers at least ONEDNN_MIN_DIM wide. Under cpu_matmul=auto the run's one-time check may keep BLAS: the
-    plan counts the caches anyway (an upper bound)."""
+    """Whether PPO's linear layers run on oneDNN here (rlhf_cli.accel.cpu_linear): on the CPU, device.fast_paths
+    not off, device.cpu_matmul onednn (or auto on a CPU onednn_by_default names), fp32 weights and compute, layers
+    at least ONEDNN_MIN_DIM wide."""
     d = cfg.device
-    return (s.accelerator == "cpu" and str(d.fast_paths) != "off" and str(d.cpu_matmul) != "blas"
+    matmul = str(d.cpu_matmul)
+    return (s.accelerator == "cpu" and str(d.fast_paths) != "off"
+            and (matmul == "onednn" or (matmul == "auto" and onednn_by_default()))
             and s.compute_name == "fp32" and s.frozen_bytes == 4 and a.hidden_size >= ONEDNN_MIN_DIM)
 
 

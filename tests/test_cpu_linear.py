@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -89,10 +90,10 @@ def test_what_keeps_f_linear(onednn):
 def test_modes(state, monkeypatch):
     with pytest.raises(ValueError, match="cpu_matmul"):
         cl.set_mode("fast")
-    monkeypatch.setattr(cl, "onednn_speedup", lambda: cl.SPEEDUP + 0.5)
+    monkeypatch.setattr(cl, "onednn_by_default", lambda: True)
     cl.set_mode("auto")
-    assert cl._state["on"] is None and cl.enabled()  # the check runs at the first use
-    monkeypatch.setattr(cl, "onednn_speedup", lambda: 1.0)  # oneDNN no faster than BLAS here
+    assert cl._state["on"] is None and cl.enabled()  # the rule is read at the first use
+    monkeypatch.setattr(cl, "onednn_by_default", lambda: False)  # a CPU whose BLAS keeps the products
     cl.set_mode("auto")
     assert not cl.enabled()
     cl.set_mode("onednn")
@@ -105,11 +106,11 @@ def test_modes(state, monkeypatch):
     assert not cl.enabled()
 
 
-def test_narrow_products_keep_blas_and_never_run_the_check(state, monkeypatch):
+def test_narrow_products_keep_blas_and_never_read_the_rule(state, monkeypatch):
     def check():
-        raise AssertionError("the check ran")
+        raise AssertionError("the rule was read")
 
-    monkeypatch.setattr(cl, "onednn_speedup", check)
+    monkeypatch.setattr(cl, "onednn_by_default", check)
     cl.set_mode("auto")
     narrow, wide = torch.randn(cl.MIN_DIM - 1, cl.MIN_DIM), torch.randn(cl.MIN_DIM, cl.MIN_DIM)
     x = torch.randn(64, cl.MIN_DIM)
@@ -118,8 +119,26 @@ def test_narrow_products_keep_blas_and_never_run_the_check(state, monkeypatch):
     m = _tiny()  # hidden 16: nothing to switch
     assert cl.install(m) == 0
     assert cl._state["on"] is None
-    monkeypatch.setattr(cl, "onednn_speedup", lambda: cl.SPEEDUP + 0.5)
+    monkeypatch.setattr(cl, "onednn_by_default", lambda: True)
     assert cl.applies(x, wide) and cl._state["on"] is True
+
+
+@pytest.mark.parametrize("fields,processor,on", [
+    ({"vendor_id": "AuthenticAMD", "cpu family": "25"}, "", True),
+    ({"vendor_id": "HygonGenuine"}, "", True),
+    ({"vendor_id": "GenuineIntel"}, "", False),
+    ({}, "AMD64 Family 25 Model 17 Stepping 1, AuthenticAMD", True),   # no /proc/cpuinfo (Windows)
+    ({}, "Intel64 Family 6 Model 143 Stepping 8, GenuineIntel", False),
+    ({}, "arm", False),
+])
+def test_auto_is_decided_by_the_cpus_maker_never_by_timing(fields, processor, on, monkeypatch):
+    """The same machine always gets the same kernels: a run and its resumed part compute the same numbers."""
+    from rlhf_cli.accel import limits
+
+    monkeypatch.setattr(limits, "cpu_fields", lambda: fields)
+    monkeypatch.setattr(limits.platform, "processor", lambda: processor)
+    monkeypatch.setattr(time, "perf_counter", lambda: pytest.fail("auto timed something"))
+    assert limits.onednn_by_default() is on
 
 
 def _tiny():

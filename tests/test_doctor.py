@@ -231,7 +231,7 @@ def test_ppo_plan_terms():
 
 
 @pytest.mark.parametrize("overrides,counted", [
-    ([], True),                                   # cpu_matmul=auto: counted, nothing timed (an upper bound)
+    ([], True),                                   # cpu_matmul=auto on an AMD CPU (below)
     (["device.cpu_matmul=onednn"], True),
     (["device.cpu_matmul=blas"], False),
     (["device.fast_paths=off"], False),           # stock code: no oneDNN
@@ -240,13 +240,17 @@ def test_ppo_plan_terms():
     (["device.mixed_precision=bf16"], False),     # autocast keeps F.linear
     (["device=cuda"], False),
 ])
-def test_onednn_caches_are_planned_by_rule(overrides, counted):
+def test_onednn_caches_are_planned_by_rule(overrides, counted, monkeypatch):
+    monkeypatch.setattr(M, "onednn_by_default", lambda: True)
     cfg = compose("ppo", ["recipe=qwen3-0.6b", "device=cpu", *overrides])
     names = [i.name for i in M.plan_stage(cfg, "ppo", QWEN).items]
     assert ("oneDNN primitive caches" in names) is counted
     # layers under ONEDNN_MIN_DIM wide never switch
     narrow = replace(QWEN, hidden_size=64)
     assert "oneDNN primitive caches" not in [i.name for i in M.plan_stage(cfg, "ppo", narrow).items]
+    if not overrides:  # auto on an Intel CPU keeps BLAS: no caches
+        monkeypatch.setattr(M, "onednn_by_default", lambda: False)
+        assert "oneDNN primitive caches" not in [i.name for i in M.plan_stage(cfg, "ppo", QWEN).items]
 
 
 def test_the_planner_imports_no_torch_and_times_nothing():

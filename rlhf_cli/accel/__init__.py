@@ -9,7 +9,7 @@ The paths, each giving the same numbers as the stock code it replaces (tests com
   steps, W·xᵀ products for few rows on CPUs where that is faster);
 - `tail`: the last decoder layer run on the read positions only while scoring and in the PPO epochs;
 - `fused`: fused RMSNorm and LoRA linear layers (fp32 CPU inputs);
-- `cpu_linear`: fp32 linear layers on oneDNN where a one-time check finds it faster than BLAS (`device.cpu_matmul`);
+- `cpu_linear`: fp32 linear layers on oneDNN on CPUs where it runs faster than BLAS (`device.cpu_matmul`);
 - `sparse_rows`: a fully trained value model's embedding stepped through the rows its tokens reach
   (`ppo.sparse_value_embedding`).
 

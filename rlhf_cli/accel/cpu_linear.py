@@ -4,25 +4,23 @@ torch's CPU wheels send an fp32 `F.linear` to MKL. On AMD CPUs MKL runs its AVX2
 an AVX-512 chip can do, and oneDNN's `mkldnn._linear_pointwise` (the op torch's own CPU inductor emits) runs the
 PPO update's products faster, forward and both backward products, with fp32 accumulation (tests/test_cpu_linear.py:
 F.linear's outputs and gradients within 1e-4; bench/results/ has the measured rates). With a handful of rows (the
-sampling steps) oneDNN is the slower one, so layers keep `F.linear` under `MIN_ROWS` rows. Where MKL runs its own
-AVX-512 kernels the one-time check decides.
+sampling steps) oneDNN is the slower one, so layers keep `F.linear` under `MIN_ROWS` rows.
 
-`device.cpu_matmul` picks: auto (that check: oneDNN where it is `SPEEDUP` faster on a PPO-sized product), blas,
-or onednn. Only plain `nn.Linear` layers of models without hooks switch (`install`); bf16 / fp16 tensors, autocast,
-GPUs and non-fp32 weights always take `F.linear`. Rerun the measurement: bench/probes/linear_probe.py --onednn.
+`device.cpu_matmul` picks: auto (oneDNN on the CPUs `limits.onednn_by_default` names: AMD's, where MKL runs AVX2
+kernels; BLAS elsewhere), blas, or onednn. Only plain `nn.Linear` layers of models without hooks switch (`install`);
+bf16 / fp16 tensors, autocast, GPUs and non-fp32 weights always take `F.linear`. Measure a CPU:
+bench/probes/linear_probe.py --onednn.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import time
 
 import torch
 from torch import nn
 
-from rlhf_cli.accel.limits import ONEDNN_CACHE_BYTES, ONEDNN_CACHE_CAPACITY, ONEDNN_MIN_DIM
+from rlhf_cli.accel.limits import ONEDNN_CACHE_BYTES, ONEDNN_CACHE_CAPACITY, ONEDNN_MIN_DIM, onednn_by_default
 from rlhf_cli.choices import CPU_MATMUL as MODES  # device.cpu_matmul's values
 
 log = logging.getLogger("rlhf")
@@ -31,8 +29,7 @@ MIN_ROWS = 32        # fewer rows than this: F.linear (oneDNN is slower at 1 row
 # weights with a side under MIN_DIM keep F.linear: tiny models gain nothing, and every product oneDNN compiles costs
 # memory (below)
 MIN_DIM = ONEDNN_MIN_DIM
-SPEEDUP = 1.25       # auto switches where oneDNN is at least this much faster on the probe product
-# mode: set_mode's; on: whether oneDNN is used, None until auto's check runs (at the first product that would use
+# mode: set_mode's; on: whether oneDNN is used, None until auto's rule is read (at the first product that would use
 # it, so a run whose products all keep F.linear never loads oneDNN)
 _state: dict = {"mode": "blas", "on": False}
 # oneDNN keeps a compiled primitive per product shape, in two caches of 1,024 entries by default (oneDNN's and
@@ -57,33 +54,6 @@ def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
-def _best_of(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-@functools.cache
-def onednn_speedup() -> float:
-    """How much faster oneDNN runs a PPO-sized fp32 product (256 rows x 512 against a 1,536 x 512 weight, best of
-    5) than F.linear, with this process's thread count; 0.0 where it is unavailable or fails."""
-    if not available():
-        return 0.0
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 512, generator=g)
-    w = torch.randn(1536, 512, generator=g)
-    try:
-        blas = _best_of(lambda: nn.functional.linear(x, w), 5)
-        dnn = _best_of(lambda: _mm_t(x, w), 5)
-    except RuntimeError:
-        return 0.0
-    return blas / dnn if dnn > 0 else 0.0
-
-
 def bound_caches(capacity: int = CACHE_CAPACITY) -> None:
     """Cap oneDNN's and ideep's primitive caches (read once, at their first use; a value the user set stays)."""
     for var in CACHE_VARS:
@@ -91,22 +61,18 @@ def bound_caches(capacity: int = CACHE_CAPACITY) -> None:
 
 
 def resolve(mode: str) -> bool:
-    """Whether `mode` (`MODES`) means oneDNN in this process (auto: the one-time check)."""
+    """Whether `mode` (`MODES`) means oneDNN in this process (auto: `limits.onednn_by_default`)."""
     if mode not in MODES:
         raise ValueError(f"cpu_matmul must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "blas" or not available():
+    if mode == "blas" or not available() or (mode == "auto" and not onednn_by_default()):
         return False
     bound_caches()
-    if mode == "onednn":
-        return True
-    speedup = onednn_speedup()
-    log.debug("cpu_matmul=auto: oneDNN %.2fx F.linear on the probe product", speedup)
-    return speedup >= SPEEDUP
+    return True
 
 
 def set_mode(mode: str) -> None:
-    """Switch the process's CPU fp32 linears to oneDNN or back (`MODES`); auto decides at the first product that
-    would use oneDNN."""
+    """Switch the process's CPU fp32 linears to oneDNN or back (`MODES`); auto's rule is read at the first product
+    that would use oneDNN."""
     if mode not in MODES:
         raise ValueError(f"cpu_matmul must be one of {', '.join(MODES)}, got {mode!r}")
     _state["mode"] = mode
@@ -114,14 +80,14 @@ def set_mode(mode: str) -> None:
 
 
 def enabled() -> bool:
-    """Whether oneDNN is on (runs auto's check on the first call)."""
+    """Whether oneDNN is on (auto's rule read at the first call)."""
     if _state["on"] is None:
         _state["on"] = resolve(_state["mode"])
     return _state["on"]
 
 
 def _may_use() -> bool:
-    """Whether oneDNN could be on, without running auto's check."""
+    """Whether oneDNN could be on, without reading auto's rule."""
     return _state["on"] is not False
 
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from rlhf_cli.accel import cpu_linear
 from rlhf_cli.accel.decode import Decoder
-from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES
+from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, cpu_fields
 from rlhf_cli.models import cpu_flag
 from rlhf_cli.ppo.core import limit_vocab, position_ids_from
 
@@ -126,12 +125,7 @@ def weight_first_cpu() -> str | None:
     "amd-f23" (AMD family 23, AVX2), or None (any other: every layer keeps F.linear)."""
     if cpu_flag("_is_amx_tile_supported"):
         return "amx"
-    try:
-        info = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return None
-    pairs = (ln.split(":", 1) for ln in info.splitlines()[:40] if ":" in ln)  # the first processor's fields
-    fields = {k.strip(): v.strip() for k, v in pairs}
+    fields = cpu_fields()
     if fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "23":
         return "amd-f23"
     return None
