@@ -6,8 +6,8 @@ PPO update's products faster, forward and both backward products, with fp32 accu
 F.linear's outputs and gradients within 1e-4; bench/results/ has the measured rates). With a handful of rows (the
 sampling steps) oneDNN is the slower one, so layers keep `F.linear` under `MIN_ROWS` rows.
 
-`device.cpu_matmul` picks: auto (oneDNN on the CPUs `limits.onednn_by_default` names: AMD's, where MKL runs AVX2
-kernels; BLAS elsewhere), blas, or onednn. Only plain `nn.Linear` layers of models without hooks switch (`install`);
+`device.cpu_matmul` picks: auto (oneDNN on the CPUs `limits.onednn_by_default` names, where it was measured well
+ahead; BLAS elsewhere), blas, or onednn. Only plain `nn.Linear` layers of models without hooks switch (`install`);
 bf16 / fp16 tensors, autocast, GPUs and non-fp32 weights always take `F.linear`. Measure a CPU:
 bench/probes/linear_probe.py --onednn.
 """

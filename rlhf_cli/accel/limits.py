@@ -2,6 +2,7 @@
 
 import functools
 import platform
+import re
 from pathlib import Path
 
 from rlhf_cli.choices import FAST_PATHS
@@ -41,15 +42,23 @@ def cpu_fields() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-# x86-64 makers whose CPUs get MKL's AVX2 kernels for fp32 products, not its AVX-512 ones
-ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")
+# AMD CPU families on which oneDNN's fp32 linear was measured well ahead of torch's BLAS: from Zen 5 (family 26) on
+# (1.6-2.4x from 32 rows; MKL runs its AVX2 kernels there). On Zen 4 (family 25) oneDNN / BLAS from 32 rows is
+# 0.6-1.5x, mostly 0.9-1.2x, behind at 32 rows for widths up to 256 (bench/results/NOTES.md)
+ONEDNN_AMD_FAMILY_FROM = 26
 
 
 def onednn_by_default() -> bool:
-    """`device.cpu_matmul=auto`: whether PPO's fp32 linear layers take oneDNN on this CPU, decided by the CPU's
-    maker and never by timing (a timed check can decide one way in a run and the other in its resumed part, which
-    then computes other numbers). On AMD CPUs MKL runs its AVX2 kernels and oneDNN's linear runs the PPO products
-    1.6-2.4x faster (bench/results/NOTES.md); Intel CPUs (MKL's own AVX-512 kernels, not measured against oneDNN)
-    and every other CPU keep torch's BLAS."""
-    vendor = cpu_fields().get("vendor_id") or platform.processor()
-    return any(v in vendor for v in ONEDNN_VENDORS)
+    """`device.cpu_matmul=auto`: whether PPO's fp32 linear layers take oneDNN on this CPU, decided by the CPU's kind
+    and never by timing (a timed check can decide one way in a run and the other in its resumed part, which then
+    computes other numbers): AMD CPUs from family `ONEDNN_AMD_FAMILY_FROM` on. Intel CPUs (MKL's own AVX-512
+    kernels, not measured against oneDNN), older AMD ones and every other CPU keep torch's BLAS."""
+    fields = cpu_fields()
+    if fields:
+        vendor, family = fields.get("vendor_id", ""), fields.get("cpu family", "")
+    else:  # no /proc/cpuinfo (Windows: "AMD64 Family 26 Model 2 Stepping 0, AuthenticAMD")
+        proc = platform.processor()
+        vendor = proc.rsplit(",", 1)[-1].strip()
+        found = re.search(r"Family (\d+)", proc)
+        family = found.group(1) if found else ""
+    return vendor == "AuthenticAMD" and family.isdigit() and int(family) >= ONEDNN_AMD_FAMILY_FROM
