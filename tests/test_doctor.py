@@ -419,7 +419,7 @@ def test_doctor_tiny(run_cli):
                    "ModelScope:", "Hugging Face hub:", "bf16 units", "memory plan per process", "peak per process",
                    "KV cache", "sampling step logits", "-> fits", "precision: frozen weights in float32",
                    "sequence lengths: 3000 training prompts", "The plan takes the longest",
-                   "the data's longest prompt", "checkpoint on disk"):
+                   "the data's longest prompt", "checkpoint on disk", "PPO's fp32 linear layers run on"):
         assert needle in out, needle
     assert out.count("peak per process") == 4  # sft, reward, ppo, dpo
 
@@ -476,3 +476,18 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     print("; ".join(f"tiny {s}: plan {pl:.0f} MiB, measured {me:.0f} MiB, error {100 * e:+.0f}%"
                     for s, pl, me, e in report))
     assert all(abs(e) <= 0.20 for *_, e in report), report
+
+
+@pytest.mark.parametrize("overrides,by_rule,says", [
+    ([], True, "oneDNN (device.cpu_matmul=auto: oneDNN on AMD family 26 and later)"),
+    ([], False, "torch's BLAS (device.cpu_matmul=auto: oneDNN on AMD family 26 and later; device.cpu_matmul=onednn "
+                "tries it)"),
+    (["device.cpu_matmul=onednn"], False, "oneDNN (device.cpu_matmul=onednn), layers at least 128 wide"),
+    (["device.cpu_matmul=blas"], True, "torch's BLAS (device.cpu_matmul=blas)"),
+    (["device.fast_paths=off"], True, "torch's BLAS (device.fast_paths=off)"),
+])
+def test_the_doctor_names_the_cpu_matmul_kernels_and_why(overrides, by_rule, says, monkeypatch):
+    from rlhf_cli.stages import doctor
+
+    monkeypatch.setattr(doctor, "onednn_by_default", lambda: by_rule)
+    assert doctor.cpu_matmul_kernel(compose("ppo", overrides)) == says

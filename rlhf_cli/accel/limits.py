@@ -62,3 +62,12 @@ def onednn_by_default() -> bool:
         found = re.search(r"Family (\d+)", proc)
         family = found.group(1) if found else ""
     return vendor == "AuthenticAMD" and family.isdigit() and int(family) >= ONEDNN_AMD_FAMILY_FROM
+
+
+def cpu_kind() -> str:
+    """The CPU's model name, maker and family as /proc/cpuinfo gives them (what `onednn_by_default` reads)."""
+    f = cpu_fields()
+    if not f:
+        return platform.processor() or platform.machine() or "unknown CPU"
+    name = f.get("model name", "unknown model")
+    return f"{name} ({f.get('vendor_id', '?')} family {f.get('cpu family', '?')})"

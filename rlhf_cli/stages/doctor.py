@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from rlhf_cli import memory as M
+from rlhf_cli.accel.limits import ONEDNN_AMD_FAMILY_FROM, ONEDNN_MIN_DIM, cpu_kind, onednn_by_default
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.tiny import is_tiny_spec
 
@@ -244,11 +245,29 @@ def _machine_lines(cfg) -> tuple[list[str], dict]:
             None: "bf16 units unknown"}[dev.get("cpu_bf16")]
     lines.append(f"  CPU: {dev['cpu_count']} cores ({dev.get('cpu_capability', '?')}, {bf16}), RAM "
                  f"{M.fmt_bytes(dev['ram_available'])} available of {M.fmt_bytes(dev['ram_total'])}")
+    if str(cfg.device.get("accelerator")) == "cpu":
+        lines.append(f"  {cpu_kind()}: PPO's fp32 linear layers run on {cpu_matmul_kernel(cfg)}")
     hub_thread.join(timeout + 0.5)
     lines.append(f"hubs (one connection each, {timeout:g} s timeout)")
     for name in _hosts():
         lines.append(f"  {name}: {hub_thread_result.get(name, f'no answer within {timeout:g} s')}")
     return lines, dev
+
+
+def cpu_matmul_kernel(cfg) -> str:
+    """Which kernels PPO's fp32 linear layers take on this CPU under `cfg` (rlhf_cli.accel.cpu_linear), and why."""
+    d = cfg.device
+    mode = str(d.get("cpu_matmul") or "auto")
+    if str(d.get("fast_paths")) == "off":
+        return "torch's BLAS (device.fast_paths=off)"
+    if mode == "auto":
+        rule = f"device.cpu_matmul=auto: oneDNN on AMD family {ONEDNN_AMD_FAMILY_FROM} and later"
+        if onednn_by_default():
+            return f"oneDNN ({rule})"
+        return f"torch's BLAS ({rule}; device.cpu_matmul=onednn tries it)"
+    if mode == "onednn":
+        return f"oneDNN (device.cpu_matmul=onednn), layers at least {ONEDNN_MIN_DIM} wide"
+    return f"torch's BLAS (device.cpu_matmul={mode})"
 
 
 def _stage_lines(cfg, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -> list[str]:
