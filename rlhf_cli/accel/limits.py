@@ -43,8 +43,8 @@ def cpu_fields() -> dict[str, str]:
 
 
 # AMD CPU families on which oneDNN's fp32 linear was measured well ahead of torch's BLAS: from Zen 5 (family 26) on
-# (1.6-2.4x from 32 rows; MKL runs its AVX2 kernels there). On Zen 4 (family 25) oneDNN / BLAS from 32 rows is
-# 0.6-1.5x, mostly 0.9-1.2x, behind at 32 rows for widths up to 256 (bench/results/NOTES.md)
+# (MKL runs its AVX2 kernels there). On Zen 4 (family 25) the two are close, oneDNN behind on narrow layers
+# (bench/results/NOTES.md has the figures)
 ONEDNN_AMD_FAMILY_FROM = 26
 
 
