@@ -11,7 +11,7 @@ RANKS = {
     "rlhf_cli": 0, "rlhf_cli.errors": 0, "rlhf_cli.choices": 0, "rlhf_cli.accel.limits": 0,
     "rlhf_cli.io": 1, "rlhf_cli.schema": 1, "rlhf_cli.config": 1, "rlhf_cli.data": 1, "rlhf_cli.demo": 1,
     "rlhf_cli.tiny": 1, "rlhf_cli.launch": 1, "rlhf_cli.supervise": 1, "rlhf_cli.precision": 1,
-    "rlhf_cli.gpu_memory": 1,
+    "rlhf_cli.gpu_memory": 1, "rlhf_cli.devices": 1,
     "rlhf_cli.tracking": 2, "rlhf_cli.models": 2, "rlhf_cli.memory": 2,
     "rlhf_cli.accel": 3, "rlhf_cli.ppo.core": 2,
     "rlhf_cli.ppo": 4,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli import devices
 from rlhf_cli.errors import RlhfError
 
 log = logging.getLogger("rlhf")
@@ -160,23 +161,26 @@ def _few(keys: list[str], n: int = 3) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ RNG
-def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
-    """(JSON part, tensor part) of this process's RNG state."""
+def rng_state(device="cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(JSON part, tensor part) of this process's RNG state: Python's, torch's CPU generator and, on a GPU, the
+    generator of this process's GPU only (`cuda`), so that a resume on a machine with fewer GPUs finds it."""
     version, internal, gauss = random.getstate()
     tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda.{i}"] = s
+    index = devices.rng_index(device)
+    if index is not None:
+        tensors["cuda"] = torch.cuda.get_rng_state(index)
     return {"python": [version, list(internal), gauss]}, tensors
 
 
-def set_rng_state(js: dict, tensors: dict[str, torch.Tensor]) -> None:
+def set_rng_state(js: dict, tensors: dict[str, torch.Tensor], device="cpu") -> None:
+    """Restore what `rng_state` saved. A GPU state restores into this process's GPU; a checkpoint of the CPU (or
+    a GPU state resumed on the CPU) leaves the other generators as the seed set them."""
     version, internal, gauss = js["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    index = devices.rng_index(device)
+    if index is not None and "cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["cuda"], index)
 
 
 def check_rng(js, tensors: dict[str, torch.Tensor], jfile: Path, tfile: Path, ckpt: Path, rank: int) -> None:
@@ -189,9 +193,10 @@ def check_rng(js, tensors: dict[str, torch.Tensor], jfile: Path, tfile: Path, ck
                         f"{ckpt} to resume from an earlier checkpoint") from e
     got = {f"rng/{rank}/{k}": tuple(v.shape) for k, v in tensors.items() if k == "torch"}
     check_keys(tfile, got, {f"rng/{rank}/torch": tuple(torch.get_rng_state().shape)}, ckpt)
-    if tensors["torch"].dtype != torch.uint8:
-        raise RlhfError(f"checkpoint file {tfile}: rng/{rank}/torch is {tensors['torch'].dtype}, not a torch RNG "
-                        f"state (uint8); delete {ckpt} to resume from an earlier checkpoint")
+    for name in ("torch", "cuda"):
+        if name in tensors and tensors[name].dtype != torch.uint8:
+            raise RlhfError(f"checkpoint file {tfile}: rng/{rank}/{name} is {tensors[name].dtype}, not a torch RNG "
+                            f"state (uint8); delete {ckpt} to resume from an earlier checkpoint")
 
 
 # ------------------------------------------------------------------------------------------- optimizer

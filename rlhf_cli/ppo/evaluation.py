@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli import devices
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.experience import Sampling, make_experience
@@ -122,9 +123,8 @@ class Evaluator:
         # best without a broadcast), and the evaluation takes 1/N of the time instead of idling N-1 processes.
         rank, world, device = trainer.rank, trainer.world, trainer.device
         prompts = self.prompts[rank::world]
-        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices):
+        gpu = devices.rng_index(device)
+        with torch.random.fork_rng(devices=[gpu] if gpu is not None else []):
             s = sample_and_score(trainer.unwrapped, trainer.ref, trainer.reward, trainer.tok, prompts, self.sampling,
                                  device, self.seed, trainer.autocast)
         if self.ground_truth is not None:

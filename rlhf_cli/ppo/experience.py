@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from rlhf_cli import devices
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.forward import padding_counts, policy_logits
 from rlhf_cli.ppo.reward_model import TextRewardModel
@@ -138,6 +139,12 @@ class Experience:
         return Experience(**out)
 
 
+def _now(device) -> float:
+    """The clock once `device` has done its queued work (a GPU runs ahead of the host)."""
+    devices.synchronize(device)
+    return time.perf_counter()
+
+
 def score_groups(attention_mask: torch.Tensor, group: int | None) -> tuple[list[tuple], torch.Tensor | None]:
     """The row groups of the scoring forwards: `group` rows at a time (all rows if None), ordered by their
     prompt's leading padding so that rows of similar length go together, each with the number of leading columns
@@ -195,15 +202,15 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
     stop_t = torch.tensor(stop_ids, device=device) if stop_ids else None
     chunks, t_gen, t_score = [], 0.0, 0.0
     for i in range(0, len(prompts), max(int(s.forward_batch_size), 1)):
-        t0 = time.perf_counter()
+        t0 = _now(device)
         q_ids = enc["input_ids"][i: i + s.forward_batch_size].to(device)
         q_mask = enc["attention_mask"][i: i + s.forward_batch_size].to(device)
         with phase("generate"):
             g = generate_chunk(policy, tok, q_ids, q_mask, gen_config, stop_ids, temp, fixed, s.vocab_size,
                                s.engine)
             resp, rmask = g["response"], g["mask"]
-            R = resp.shape[1]  # a host sync: the generation time below is real on a GPU too
-        t1 = time.perf_counter()
+            R = resp.shape[1]
+        t1 = _now(device)
         with phase("score"):
             input_ids = torch.cat([q_ids, resp], 1)
             attn = torch.cat([q_mask, rmask.long()], 1)
@@ -243,7 +250,7 @@ def make_experience(prompts: list[str], tok, policy, s: Sampling, *, ref_model=N
                 rm_scores = each(lambda ids, am, ps, rows, st:
                                  reward_model.score_at(ids, am, ps, last[rows] - st))
             empty = torch.tensor([not t.strip() for t in texts], device=device)
-        t_gen, t_score = t_gen + (t1 - t0), t_score + (time.perf_counter() - t1)
+        t_gen, t_score = t_gen + (t1 - t0), t_score + (_now(device) - t1)
         chunks.append(Experience(input_ids=input_ids, attention_mask=attn, position_ids=pos, response_ids=resp,
                                  response_mask=rmask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
                                  has_stop=has_stop, empty=empty, texts=texts, values=values, rm_scores=rm_scores,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from rlhf_cli import devices
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.gpu_memory import PhasePeaks
 from rlhf_cli.ppo import checkpoint, core, evaluation, rewards, shard
@@ -134,7 +135,9 @@ class PPOTrainer:
             ground_truth = rewards.GroundTruth(getattr(ground_truth, "__name__", "ground_truth"), ground_truth,
                                                frozenset())
         self.ground_truth, self.writer, self.hooks = ground_truth, writer, hooks or Hooks()
-        self.device, self.world, self.rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+        # resolved once: accelerate's one-process device is `cuda` with no index, its tensors' is cuda:0
+        self.device = devices.resolve(accelerator.device)
+        self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.peaks = PhasePeaks(self.device)
         self.ref, self.reward, self.score_stats = models.ref, models.reward, models.score_stats
         if c.uses_reward_model and models.reward is None:
@@ -181,14 +184,17 @@ class PPOTrainer:
 
     def autocast(self):
         """Forward passes run under autocast at the compute dtype; trainable weights stay fp32."""
-        if self.compute_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return devices.autocast(self.device, self.compute_dtype)
+
+    def clock(self) -> float:
+        """The hooks' clock once the device's queued work is done, so that a phase's time is its work's."""
+        devices.synchronize(self.device)
+        return self.hooks.clock()
 
     def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """The one way a tensor enters a collective: on this process's device (NCCL takes no CPU tensor; gloo
         would, so the CPU tests catch a misplaced tensor here)."""
-        if t.device.type != self.device.type or (t.device.type != "cpu" and t.device.index != self.device.index):
+        if not devices.same(t.device, self.device):
             raise RuntimeError(f"a {tuple(t.shape)} tensor on {t.device} would enter a collective of processes on "
                                f"{self.device}")
         return self.acc.reduce(t, op) if self.world > 1 else t
@@ -515,13 +521,13 @@ class PPOTrainer:
     def save(self) -> Path:
         """Checkpoint `checkpoints/checkpoint-<update>` (main process writes; every process takes part)."""
         consumed = [self.stream.consumed]
-        rngs = [checkpoint.rng_state()]
+        rngs = [checkpoint.rng_state(self.device)]
         if self.world > 1:
             import torch.distributed as dist
 
             consumed = self.acc.gather(torch.tensor([self.stream.consumed], device=self.device)).tolist()
             rngs = [None] * self.world
-            dist.all_gather_object(rngs, checkpoint.rng_state())
+            dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
         path = self.work / "checkpoints" / f"checkpoint-{self.progress.update}"
         with shard.whole(self.unwrapped, self.value_model(), self.optimizer):  # sharded: gathered by every process
             if self.acc.is_main_process:
@@ -551,7 +557,7 @@ class PPOTrainer:
         self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))
         consumed = st["prompts_consumed"]
         self.stream.consumed = consumed[self.rank] if self.rank < len(consumed) else consumed[0]
-        checkpoint.set_rng_state(*st["rng"])
+        checkpoint.set_rng_state(*st["rng"], self.device)
         # best/ of the interrupted run stays the best so far, also when written after the checkpoint resumed
         # from: it is an update this run trained and evaluated. Another metric than this run's starts over.
         name, sign = self.keep or (None, 0.0)
@@ -573,7 +579,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, float]:
         """Run the remaining updates; returns the last update's metrics."""
-        c, sz, clock = self.c, self.sizes, self.hooks.clock
+        c, sz, clock = self.c, self.sizes, self.clock
         first = self.progress.update == 0
         self.hooks.on_train_start(self)
         for update in range(self.progress.update + 1, sz.num_updates + 1):

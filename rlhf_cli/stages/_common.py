@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import gpu_memory
+from rlhf_cli import devices, gpu_memory
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import process_rank, read_json, write_json
 from rlhf_cli.launch import is_sharded, strategy, trainer_strategy_kwargs
@@ -493,8 +493,8 @@ def _all_processes(ok: bool) -> bool:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return bool(ok)
-    on_gpu = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-    flag = torch.tensor(int(bool(ok)), device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    on_gpu = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()  # NCCL takes GPU tensors only
+    flag = torch.tensor(int(bool(ok)), device=devices.resolve("cuda") if on_gpu else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_cli import devices
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
 from rlhf_cli.errors import RlhfError
@@ -58,7 +59,7 @@ def run(cfg) -> None:
     setup_torch(cfg)
     c = cfg.chat
     path = newest_policy(cfg)
-    device = "cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu"
+    device = devices.of_accelerator(cfg.device.accelerator)
     model = load_policy(path, resolve_precision(cfg)[0], cfg.model, base_dir=cfg.ppo.policy_dir, merge=True)
     model, tok = model.to(device).eval(), load_tokenizer(path, cfg.model)
     system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []

@@ -18,9 +18,7 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
-from rlhf_cli import accel
+from rlhf_cli import accel, devices
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, check_output_dir, read_json, write_json
 from rlhf_cli.models import (
@@ -106,8 +104,6 @@ def markdown(report: dict) -> str:
 
 
 def run(cfg) -> None:
-    import contextlib
-
     from tqdm.auto import tqdm
 
     setup_torch(cfg)
@@ -115,7 +111,7 @@ def run(cfg) -> None:
     policies = {name: path for name, path in e.policies.items() if path is not None}  # NAME=null: left out
     inputs = [cfg.ppo.policy_dir, e.reward_dir, cfg.ppo.output_dir, *policies.values()]  # never replaced
     check_output_dir(e.output_dir, "eval", inputs)  # before the sampling, not after it (atomic_dir checks again)
-    device = torch.device("cuda" if cfg.device.accelerator == "cuda" and torch.cuda.is_available() else "cpu")
+    device = devices.of_accelerator(cfg.device.accelerator)
     paths = accel.configure(cfg, device.type)
     storage, compute = resolve_precision(cfg)
     ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
@@ -136,7 +132,7 @@ def run(cfg) -> None:
     s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
                            recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True,
                            engine=paths.sampler)
-    autocast = (lambda: torch.autocast(device.type, dtype=compute)) if compute is not None else contextlib.nullcontext
+    autocast = lambda: devices.autocast(device, compute)  # noqa: E731
     results = {}
     bar = tqdm(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True)
     for name, path in policy_dirs.items():

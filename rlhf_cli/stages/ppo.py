@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlhf_cli import accel
+from rlhf_cli import accel, devices
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import publish, write_json
@@ -70,7 +70,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     acc.wait_for_everyone()
     work = out.parent / f".{out.name}.partial"
     paths = accel.configure(cfg, acc.device.type)
-    models = build_ppo_models(cfg, tok, acc.device, storage, paths, acc.num_processes)
+    models = build_ppo_models(cfg, tok, devices.resolve(acc.device), storage, paths, acc.num_processes)
     know_prompts(models.reward, (prompts, examples), held_out)  # a reward model with its own tokenizer needs them
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
     vocab = check_vocab(tok, models.policy, policy_dir)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import gpu_memory
+from rlhf_cli import devices, gpu_memory
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
-from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, setup_torch
+from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, resolve_precision, setup_torch
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
@@ -41,15 +41,17 @@ log = logging.getLogger("rlhf")
 
 
 @torch.no_grad()
-def score_texts(model, tok, texts: list[str], batch_size: int = 64) -> torch.Tensor:
-    """Reward-model scores (N,) of full texts (prompt + answer + EOS), left-padded in batches."""
+def score_texts(model, tok, texts: list[str], batch_size: int = 64, compute: torch.dtype | None = None) -> torch.Tensor:
+    """Reward-model scores (N,) of full texts (prompt + answer + EOS), left-padded in batches, computed at the
+    run's compute dtype (`compute`, None: fp32) as training and PPO compute them."""
     model.eval()
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(texts), batch_size):
         enc = tok(texts[i: i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        out.append(model(**enc, position_ids=pos).logits[:, 0].float().cpu())
+        with devices.autocast(device, compute):
+            out.append(model(**enc, position_ids=pos).logits[:, 0].float().cpu())
     return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -103,7 +105,7 @@ def run(cfg) -> None:
         # scores the same texts: with sharded weights (ZeRO-3, FSDP) each forward pass is a collective.
         sample = train_rows[:1024]
         texts = [row["prompt"] + ans + tok.eos_token for row in sample for ans in (row["chosen"], row["rejected"])]
-        scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size))
+        scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size), resolve_precision(cfg)[1])
         stats = {"mean": scores.mean().item(), "std": max(scores.std().item(), 1e-6), "n": len(texts)}
         require_finite("reward", stats, "score", lr, step)
         save_trained(trainer, model, tok, out, cfg.device)
