@@ -43,8 +43,10 @@ training step runs the policy (activations, logits, and the fp32 log-softmax and
 `ppo.core.logprobs_and_entropy` runs: logit_temporaries, measured) and its backward before the value model, so
 its peak is the larger of the two.
 Generation (PPO rollout, no gradients) of F sequences of S = prompt + response tokens
-    sampling: KV cache 2·L·n_kv·d·F·S at cb, one step's (F, V) logits with their fp32 log-softmax,
-    probabilities, entropy and the float64 CDF of the draw (cb + 32 B each), and with a LoRA policy the
+    sampling: KV cache 2·L·n_kv·d·F·S at cb, one step's (F, V) logits with their fp32 temporaries (cb + 32 B
+    each: the sampling loop's log-softmax, probabilities, entropy and float64 CDF of the draw; generate()'s fp32
+    copy, the step kept until its token is drawn and its log-softmax, softmax and entropy product; no engine keeps
+    the logits of earlier steps: ppo.sampling.StepStats), and with a LoRA policy the
     merged copy (W + B·A, in model.dtype) of each adapted weight that sampling runs on; scoring: the
     reference's (F, R, V) logits with the log-sum-exp temporaries (cb + 8), or, when the old log-probs are
     recomputed (`ppo.recompute_logprobs`), the log-softmax and entropy temporaries (logit_temporaries), and
@@ -616,17 +618,26 @@ def _sharded_units(plan: StagePlan, a: Arch, ps: Setup, params: float, what: str
     return nbytes
 
 
-def _ppo_sampling(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, adapted: tuple | None) -> None:
-    """Rollout, step 1: sampling `f` sequences of `seq` tokens with a KV cache (adapted: the LoRA policy's
-    adapted layers, None without LoRA). Sharded, the policy is gathered whole for the phase
+def _ppo_sampling(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, prompt: int, seq: int, adapted: tuple | None,
+                  copies: float = 0.0) -> None:
+    """Rollout, step 1: sampling `f` sequences of `seq` tokens (`prompt` of them the prompt's) with a KV cache
+    (adapted: the LoRA policy's adapted layers, None without LoRA; copies: the policy's trainable weights cast to
+    the compute dtype, which autocast keeps for the rollout). Sharded, the policy is gathered whole for the phase
     (`device.fsdp.gather_for_sampling`, rlhf_cli.ppo.shard.gathered) or layer by layer at every token."""
     cb, wb, V, L = ps.compute_bytes, ps.frozen_bytes, a.vocab_size, a.num_hidden_layers
     kv = 2 * L * a.kv_dim * f * seq * cb
     step_logits = f * V * (cb + 32)
+    prefill = f * prompt * layer_working_bytes(a, cb)
     plan.items.append(Item("KV cache", kv, f"2·{L} layers·{a.kv_dim}·{f} seqs·{seq} tokens × {cb} B",
                            "transient"))
     plan.items.append(Item("sampling step logits", step_logits, f"{f}·{V} × ({cb} + 32) B: one step's "
-                           "logits, fp32 log-softmax / entropy, float64 CDF", "transient"))
+                           "logits and their fp32 log-prob / entropy temporaries (no engine keeps earlier steps')",
+                           "transient"))
+    plan.items.append(Item("prompt forward (one layer)", prefill, f"{f}·{prompt} prompt tokens through one decoder "
+                           "layer at a time", "transient"))
+    if copies:
+        plan.items.append(Item("autocast copies (sampling)", copies, f"the policy's trainable weights × {cb} B, "
+                               "kept by autocast for the rollout", "transient"))
     merged = gathered = 0.0
     sharded = ps.strategy == "fsdp" and ps.world > 1
     if sharded and gathers_for_sampling(cfg):
@@ -644,7 +655,16 @@ def _ppo_sampling(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, ad
         else:
             plan.items.append(Item("merged LoRA weights", merged,
                                    f"W + B·A copies of the adapted weights × {wb} B", "transient"))
-    plan.phases["sampling"] = kv + step_logits + merged + gathered
+    plan.phases["sampling"] = kv + step_logits + prefill + copies + merged + gathered
+
+
+def _policy_copies(p, a: Arch, ps: Setup) -> float:
+    """Bytes of the policy's trainable weights cast to the compute dtype under autocast (0 where nothing casts)."""
+    if not _casts(ps):
+        return 0.0
+    n = lora_params(a, int(p.lora.r), lora_targets(p.lora.target_modules)) if bool(p.lora.enabled) \
+        else causal_lm_params(a)
+    return n * ps.compute_bytes
 
 
 def gathers_for_sampling(cfg) -> bool:
@@ -740,7 +760,7 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
     adapted = lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None
-    _ppo_sampling(plan, cfg, a, ps, f, seq, adapted)
+    _ppo_sampling(plan, cfg, a, ps, f, prompt, seq, adapted, _policy_copies(p, a, ps))
     _ppo_scoring(plan, cfg, a, ps, f, seq, resp)
     _ppo_training(plan, p, a, ps, seq, copies)
     if int(p.get("eval_every", 0) or 0) > 0:
@@ -755,7 +775,7 @@ def _ppo_evaluation(plan: StagePlan, cfg, a: Arch, ps: Setup, prompt: int, adapt
     f = max(1, min(int(e.batch_size), -(-int(e.num_prompts) // max(ps.world, 1))))
     resp = int(e.response_length)
     sub = StagePlan("ppo")
-    _ppo_sampling(sub, cfg, a, ps, f, prompt + resp, adapted)
+    _ppo_sampling(sub, cfg, a, ps, f, prompt, prompt + resp, adapted, _policy_copies(cfg.ppo, a, ps))
     _ppo_scoring(sub, cfg, a, ps, f, prompt + resp, resp)
     total = max(sub.phases.values())
     plan.items.append(Item("evaluation (ppo.eval_every)", total, f"sampling and scoring {f} held-out prompts at a "

@@ -491,3 +491,16 @@ def test_the_doctor_names_the_cpu_matmul_kernels_and_why(overrides, by_rule, say
 
     monkeypatch.setattr(doctor, "onednn_by_default", lambda: by_rule)
     assert doctor.cpu_matmul_kernel(compose("ppo", overrides)) == says
+
+
+def test_qwen3_sampling_plan_holds_one_steps_logits_per_sequence():
+    """The generate engine scores each step as it is sampled (ppo.sampling.StepStats): the plan's sampling phase
+    is the KV cache plus one step's logits and their fp32 temporaries, far below the (F, R, V) fp32 stack
+    generate()'s output_logits kept (32 × 200 × 151,936 × 4 B = 3.6 GiB)."""
+    cfg = compose("ppo", ["recipe=qwen3-0.6b"])
+    plan = M.plan_stage(cfg, "ppo", M.arch_for_model(cfg.model)[0], M.setup_from(cfg, 1))
+    f, r, v = int(cfg.ppo.rollout_forward_batch_size), int(cfg.ppo.response_length), QWEN.vocab_size
+    assert _items(plan)["sampling step logits"].bytes == f * v * (2 + 32)
+    items = _items(plan)
+    assert plan.phases["sampling"] == items["KV cache"].bytes + items["sampling step logits"].bytes
+    assert items["sampling step logits"].bytes < f * r * v * 4 / 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from places import FLASH, PLACES, dtype_for, tolerance
+from places import CUDA, FLASH, PLACES, dtype_for, tolerance
 
 from rlhf_cli.accel import sample_loop as ro
 from rlhf_cli.ppo import core, sampling
@@ -395,3 +395,59 @@ def test_one_token_decoder_only_takes_plain_weights(model):
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32)).eval()
     assert Decoder.of(gpt2, cache) is None
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["stop", "fixed-length"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), CUDA])
+@torch.no_grad()
+def test_generate_engine_scores_step_by_step_as_the_stacked_logits_did(model, fixed, device):
+    """The generate engine keeps one step's logits, not generate()'s (B, R, V) stack: same tokens (same seed) and
+    the same log-probs and entropies as `core.logprobs_and_entropy` over the stacked raw logits, with the
+    vocabulary cut and, for fixed-length responses, EOS masked while sampling but scored."""
+    model = model.to(device)
+    ids, mask = (t.to(device) for t in prompts())
+    g = gen_config(max_new_tokens=6, eos_token_id=EOS if fixed else [EOS],
+                   min_new_tokens=6 if fixed else 0, top_k=5)
+    vocab = V - 3  # the model has 3 rows past the tokenizer
+    torch.manual_seed(11)
+    new = sampling.generate(model, ids, mask, g, [] if fixed else [EOS], 0.7, vocab)
+    torch.manual_seed(11)
+    from transformers import LogitsProcessorList
+
+    class Cut:
+        def __call__(self, input_ids, scores):
+            scores[:, vocab:] = float("-inf")
+            return scores
+
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=g,
+                         logits_processor=LogitsProcessorList([Cut()]))
+    ref = out.sequences[:, ids.shape[1]:]
+    lp, ent = core.logprobs_and_entropy(core.limit_vocab(torch.stack(out.logits, 1), vocab), ref, 0.7)
+    assert torch.equal(new["response"], ref) and (ref < vocab).all()
+    if fixed:
+        assert new["response"].shape[1] == 6 and not (new["response"] == EOS).any()
+    torch.testing.assert_close(new["logprobs"], lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new["entropy"], ent, atol=1e-6, rtol=1e-6)
+    model.to("cpu")
+
+
+@torch.no_grad()
+def test_generate_engine_asks_generate_for_no_logits(model, monkeypatch):
+    """generate() is called without output_logits (nothing of size R·V is returned) and without min_new_tokens
+    (the engine's processor masks EOS itself, after reading the unmasked logits)."""
+    seen = {}
+    real = type(model).generate
+
+    def spy(self, *a, generation_config=None, **kw):
+        seen["output_logits"], seen["min_new"] = generation_config.output_logits, generation_config.min_new_tokens
+        out = real(self, *a, generation_config=generation_config, **kw)
+        seen["logits"] = getattr(out, "logits", None)
+        return out
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    ids, mask = prompts()
+    g = gen_config(max_new_tokens=4, min_new_tokens=4, eos_token_id=EOS)
+    r = sampling.generate(model, ids, mask, g, [], 0.7, None)
+    assert seen == {"output_logits": False, "min_new": 0, "logits": None}
+    assert g.output_logits and g.min_new_tokens == 4  # the caller's config is left as it was
+    assert r["logprobs"].shape == r["entropy"].shape == (3, 4)
