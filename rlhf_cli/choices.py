@@ -1,9 +1,9 @@
 """Every closed list of config values, defined once: the schema checks against these, and the code that acts
-on a value imports its list from here. Imports nothing (the doctor and `--help` stay torch-free)."""
+on a value imports its list from here. Imports nothing but the stage table (the doctor and `--help` stay
+torch-free)."""
 
-# ---- commands and stages
-COMMANDS = ("sft", "reward", "ppo", "dpo", "eval", "chat", "export", "doctor")   # `command`, set by the dispatcher
-TRAIN_STAGES = ("sft", "reward", "ppo", "dpo")   # doctor.stages: the stages rlhf_cli.memory plans
+# ---- commands and stages: read from the stage table (rlhf_cli.stage_table)
+from rlhf_cli.stage_table import COMMANDS, TRAIN_STAGES  # noqa: F401 - `command`; doctor.stages
 
 # ---- model and data
 MODEL_HUBS = ("modelscope", "hf")                            # model.hub

@@ -33,6 +33,7 @@ from rlhf_cli.config import (
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.multirun import current_job, dirname_excludes, job_output
 from rlhf_cli.recipes import recipes_command
+from rlhf_cli.stage_table import RESUMABLE, STAGES
 
 log = logging.getLogger("rlhf")
 
@@ -47,14 +48,7 @@ usage: rlhf <command> [recipe=NAME] [key=value ...]
 A config-driven RLHF pipeline: supervised fine-tuning, a Bradley-Terry reward model, and PPO with a LoRA policy.
 
 commands (chained through <run_dir>/<stage> directories):
-  sft      supervised fine-tuning (trl SFTTrainer)        writes <run_dir>/sft
-  reward   Bradley-Terry reward model (trl RewardTrainer) reads sft,          writes <run_dir>/reward
-  ppo      PPO, LoRA policy, base as reference            reads sft + reward, writes <run_dir>/ppo
-  dpo      direct preference optimisation (trl DPOTrainer) reads sft,         writes <run_dir>/dpo
-  eval     SFT vs PPO on held-out prompts, plots          reads sft + reward + ppo, writes <run_dir>/eval
-  chat     answer prompts from stdin, or prompt="..." once
-  export   write the PPO policy as a merged full model    writes <run_dir>/ppo/merged
-  doctor   versions, devices, hub reachability and a memory plan for a recipe
+{commands}
   recipes  list the recipes; `recipes show NAME` prints one composed, `recipes copy NAME [NEW]` writes a copy
            to edit (./recipes/NEW.yaml, found before the shipped ones; so are the folders in $RLHF_RECIPES)
 
@@ -148,7 +142,7 @@ def _terminated(signum, frame) -> None:
 
 def _resume_hint(cfg) -> str:
     """What continues the stopped stage ("sft.resume=true continues from checkpoint-40")."""
-    if cfg.get("command") not in ("sft", "reward", "ppo", "dpo"):
+    if cfg.get("command") not in RESUMABLE:
         return "completed outputs are intact"
     try:
         from rlhf_cli.stages._common import resume_hint
@@ -282,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         fail("", f"no configuration: neither {PACKAGE_DIR / '_config' / 'conf'} (an installed wheel) nor "
                  f"{CONF_DIR} (a checkout) has config.yaml; reinstall rlhf-cli")
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(HELP.format(recipes=", ".join(recipe_names())), end="")
+        commands = "\n".join(f"  {s.name:<8} {s.summary}" for s in STAGES)
+        print(HELP.format(commands=commands, recipes=", ".join(recipe_names())), end="")
         return
     if argv[0] in ("-V", "--version"):
         from rlhf_cli import __version__

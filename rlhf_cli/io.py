@@ -32,16 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.stage_table import BY_NAME, OUTPUT_STAGES
 
 log = logging.getLogger("rlhf")
 
 OUTPUT_MARKER = ".rlhf-output"
-STAGE_KINDS = ("sft", "reward", "ppo", "dpo", "eval", "export")
+STAGE_KINDS = OUTPUT_STAGES
 KINDS = (*STAGE_KINDS, "checkpoint")  # what a marker's "kind" names: the stage that wrote it, or a PPO checkpoint
 # markers of earlier versions name no kind: a stage still replaces one in the directory it writes by default
 # (`export` writes <ppo>/merged, or <job>/export in a multirun)
-_LEGACY_NAMES = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo",), "dpo": (), "eval": ("eval",),
-                 "export": ("merged", "export")}
+_LEGACY_NAMES = {name: BY_NAME[name].legacy_dirs for name in OUTPUT_STAGES}
 
 Inputs = Iterable[str | Path | None]  # the directories a command reads: never its output
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from rlhf_cli.choices import STRATEGIES  # device.strategy's values
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.stage_table import TRAIN_STAGES as TRAIN_COMMANDS  # the commands launched over processes
 
-TRAIN_COMMANDS = ("sft", "reward", "ppo", "dpo")
 # torchrun and accelerate launch set these in every process they start (never in the process that launches)
 LAUNCHED_ENV = ("LOCAL_RANK", "WORLD_SIZE")
 # overrides the dispatcher adds itself (cli.translate_overrides); the relaunched command adds them again

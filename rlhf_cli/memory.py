@@ -78,7 +78,7 @@ from rlhf_cli.accel.limits import (
     enabled,
     onednn_by_default,
 )
-from rlhf_cli.choices import REWARD_MODEL, TRAIN_STAGES
+from rlhf_cli.choices import REWARD_MODEL
 from rlhf_cli.precision import SHORT, precision
 from rlhf_cli.tiny import is_tiny_spec
 
@@ -831,7 +831,7 @@ def plan_dpo(cfg, a: Arch, s: Setup) -> StagePlan:
 
 
 # the stages doctor.stages may name
-PLANNERS = dict(zip(TRAIN_STAGES, (plan_sft, plan_reward, plan_ppo, plan_dpo)))
+PLANNERS = {"sft": plan_sft, "reward": plan_reward, "ppo": plan_ppo, "dpo": plan_dpo}  # each training stage (test)
 
 
 def plan_stage(cfg, stage: str, a: Arch, s: Setup | None = None) -> StagePlan:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from rlhf_cli.config import job_dir_name, quote
+from rlhf_cli.stage_table import BY_NAME, STAGES
 
 
 def current_job():
@@ -25,8 +26,7 @@ def current_job():
 
 
 # where each command writes; a multirun job writes there inside its own directory instead
-OUTPUT_KEYS = {"sft": "sft.output_dir", "reward": "reward.output_dir", "ppo": "ppo.output_dir", "dpo": "dpo.output_dir",
-               "eval": "eval.output_dir", "export": "export.output_dir"}
+OUTPUT_KEYS = {s.name: s.output_key for s in STAGES if s.output}
 
 
 def job_output(cfg, job) -> tuple[str, str] | None:
@@ -53,8 +53,7 @@ def headline(command: str, output_dir: str | Path | None) -> tuple[str, float | 
         rates = report.get("win_rate") or {}
         first = next(iter(rates), None)
         return (f"win_rate/{first}", rates[first]) if first else ("win_rate", None)
-    key = {"sft": "eval_loss_end", "reward": "eval_accuracy", "ppo": "objective/scores",
-           "dpo": "eval_accuracy"}.get(command)
+    key = BY_NAME[command].headline if command in BY_NAME else None
     if key is None:
         return None
     return key, _read_json(out / "metrics.json").get(key)

@@ -51,9 +51,10 @@ from rlhf_cli.choices import (
     WANDB_MODES,
 )
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.stage_table import NEEDS_DATA  # commands that read data.train_path
 
 # config groups whose keys are all known: anything else under them is a typo or a key that has gone
-GROUPS = ("model", "data", "device", "sft", "reward", "ppo", "dpo", "eval", "chat", "doctor", "export", "logging")
+GROUPS = ("model", "data", "device", *COMMANDS, "logging")  # config groups: one per command
 # keys that existed once: their own message instead of a guess
 RENAMED = {"ppo.target_kl_value": "ppo.adaptive_kl_target"}
 REMOVED = {"ppo.lora.dropout": "the PPO adapter trains without dropout (its old log-probs come from sampling "
@@ -345,7 +346,6 @@ def validate(cfg: DictConfig) -> None:
         raise RlhfError(first[1] + more)
 
 
-NEEDS_DATA = ("sft", "reward", "ppo", "dpo", "eval")  # commands that read data.train_path
 
 
 def check_inputs(cfg: DictConfig) -> None:

@@ -502,5 +502,9 @@ def test_qwen3_sampling_plan_holds_one_steps_logits_per_sequence():
     f, r, v = int(cfg.ppo.rollout_forward_batch_size), int(cfg.ppo.response_length), QWEN.vocab_size
     assert _items(plan)["sampling step logits"].bytes == f * v * (2 + 32)
     items = _items(plan)
-    assert plan.phases["sampling"] == items["KV cache"].bytes + items["sampling step logits"].bytes
+    parts = ("KV cache", "sampling step logits", "prompt forward (one layer)", "autocast copies (sampling)")
+    assert plan.phases["sampling"] == sum(items[k].bytes for k in parts)
     assert items["sampling step logits"].bytes < f * r * v * 4 / 20
+    # the policy's LoRA (r 32, every decoder linear) cast to bf16 by autocast, and one layer over the prompts
+    assert items["autocast copies (sampling)"].bytes == M.lora_params(QWEN, 32, "all-linear") * 2
+    assert items["prompt forward (one layer)"].bytes == f * 256 * M.layer_working_bytes(QWEN, 2)

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from rlhf_cli import devices, gpu_memory
+from rlhf_cli import devices, gpu_memory, stage_table
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import process_rank, read_json, write_json
 from rlhf_cli.launch import is_sharded, strategy, trainer_strategy_kwargs
@@ -374,18 +375,20 @@ def resume_hint(cfg) -> str:
     "sft.resume=true continues from checkpoint-40", "no checkpoint yet ...", or that finished outputs are
     intact (stages without checkpoints)."""
     command = str(cfg.command)
-    if command in ("sft", "reward", "dpo"):
-        stage = cfg[command]
-        ckpt = latest_checkpoint(partial_dir(stage.output_dir))
-        every = f"{command}.save_steps={stage.save_steps}"
-    elif command == "ppo":
+    spec = stage_table.stage(command)
+    kind = spec.resume if spec is not None else None
+    if kind is None:
+        return "completed outputs are intact"
+    section = cfg[command]
+    if kind == "trainer":
+        ckpt = latest_checkpoint(partial_dir(section.output_dir))
+    else:
         from rlhf_cli.ppo import checkpoint
 
-        directory = partial_dir(cfg.ppo.output_dir) / "checkpoints"
+        directory = partial_dir(section.output_dir) / "checkpoints"
         ckpt = checkpoint.latest(directory) if directory.is_dir() else None
-        every = f"ppo.save_every={cfg.ppo.save_every}"
-    else:
-        return "completed outputs are intact"
+    key = spec.save_key
+    every = f"{key}={OmegaConf.select(cfg, key)}"
     if ckpt is None:
         return f"no checkpoint yet ({every}); completed outputs are intact"
     return f"{command}.resume=true continues from {ckpt.name}"

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from rlhf_cli import devices
+from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
 from rlhf_cli.errors import RlhfError
@@ -23,9 +24,9 @@ def newest_policy(cfg) -> Path:
     DPO output (trained from it too), else the SFT output."""
     if cfg.chat.model_dir is not None:
         return require_dir(cfg.chat.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
-    for d in (cfg.ppo.output_dir, cfg.dpo.output_dir, cfg.sft.output_dir):
-        if Path(d).is_dir():
-            return Path(d)
+    for name in POLICIES:  # the stage table's order: ppo, dpo, sft
+        if Path(cfg[name].output_dir).is_dir():
+            return Path(cfg[name].output_dir)
     return require_dir(cfg.sft.output_dir, "model to chat with (the SFT output; chat.model_dir)", "rlhf sft")
 
 

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 from rlhf_cli import accel, devices
+from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, check_output_dir, read_json, write_json
 from rlhf_cli.models import (
@@ -118,7 +119,7 @@ def run(cfg) -> None:
     reward_dir = None if e.reward_dir is None else \
         require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json",
                     or_else="set eval.reward_dir=null to evaluate without one")
-    made_by = {"sft": "rlhf sft", "ppo": "rlhf ppo", "dpo": "rlhf dpo"}
+    made_by = {name: f"rlhf {name}" for name in POLICIES}
     policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
                    for name, path in policies.items()}
     tok = load_tokenizer(ref_dir, cfg.model)
