@@ -13,9 +13,11 @@ and prints, per stage: exit code, wall time, peak RSS, and `rlhf doctor`'s plan 
     .venv/bin/python bench/real_check.py --stages sft,dpo      # some stages only (dpo and reward read sft's output)
     .venv/bin/python bench/real_check.py --precision fp32
     .venv/bin/python bench/real_check.py --device cuda          # the same chain on a GPU (see bench/gpu_check.sh)
+    .venv/bin/python bench/real_check.py --tiny                 # the tiny demo model instead: proves the harness
 
 Every stage is the real `rlhf` command in a child process; peak RSS is the child's own (`wait4`). Results go to
-<run-dir>/real_check.json and a Markdown table on stdout.
+<run-dir>/real_check.json (rewritten after each stage, so a chain stopped part way keeps what it measured) and a
+Markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -37,13 +39,17 @@ ARCH = ["model.name_or_path=tiny", "model.tiny.hidden_size=1024", "model.tiny.in
         "model.tiny.head_dim=128", "model.tiny.embedding_rows=151936", "model.tiny.vocab_size=2000"]
 
 
+TINY = ["model.name_or_path=tiny"]  # the tiny demo model at its own size: the chain in seconds per stage
+
+
 def overrides(run_dir: Path, eval_file: Path, precision: str, device: str, threads: int,
-              response_length: int, recipe_batches: bool = False) -> list[str]:
-    """The recipe with small batches (CPU), or with its own batch sizes and 2 PPO updates (`recipe_batches`)."""
+              response_length: int, recipe_batches: bool = False, tiny: bool = False) -> list[str]:
+    """The recipe with small batches (CPU), or with its own batch sizes and 2 PPO updates (`recipe_batches`);
+    `tiny`: on the tiny demo model instead of Qwen3-0.6B's shape."""
     prec = {"bf16": ["model.dtype=bfloat16", "device.mixed_precision=bf16"],
             "fp32": ["model.dtype=float32", "device.mixed_precision=no"]}[precision]
     dev = ["device=cpu", f"device.threads={threads}"] if device == "cpu" else ["device=cuda"]
-    common = ["recipe=qwen3-0.6b", f"run_dir={run_dir}", *ARCH, *prec, *dev, "data=demo",
+    common = ["recipe=qwen3-0.6b", f"run_dir={run_dir}", *(TINY if tiny else ARCH), *prec, *dev, "data=demo",
               "data.ground_truth=demo_polite", f"data.eval_path={eval_file}", "sft.max_steps=2", "reward.max_steps=2",
               f"ppo.response_length={response_length}", "ppo.save_every=1", "eval.num_prompts=4", "dpo.max_steps=2"]
     if recipe_batches:  # the recipe's own per-device batches: 32 episodes per update, 2 updates
@@ -140,16 +146,24 @@ def gpu_peak(run_dir: Path, stage: str) -> float | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", default=str(REPO / "runs" / "real-check"))
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], help="default: bf16 (fp32 with --tiny)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--response-length", type=int, default=16)
+    ap.add_argument("--threads", type=int, help="CPU threads per stage; default: 2 (1 with --tiny)")
+    ap.add_argument("--response-length", type=int, help="default: 16 (8 with --tiny)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny demo model (not Qwen3-0.6B's shape) with batches of 2: the harness itself, e.g. "
+                         "bench/gpu_check.sh on a CPU")
     ap.add_argument("--recipe-batches", action="store_true",
                     help="the recipe's own batch sizes (32 episodes per PPO update) instead of batches of 2")
     ap.add_argument("--stages", default=",".join(STAGES),
                     help="the stages to run, in this order (reward, ppo and dpo read sft's output, eval also ppo's, "
                          "export and chat ppo's): e.g. sft,dpo")
     a = ap.parse_args(argv)
+    if a.tiny and a.recipe_batches:
+        ap.error("--tiny runs batches of 2; --recipe-batches is for the real shape")
+    a.precision = a.precision or ("fp32" if a.tiny else "bf16")
+    a.threads = a.threads or (1 if a.tiny else 2)
+    a.response_length = a.response_length or (8 if a.tiny else 16)
     chosen = [s for s in a.stages.split(",") if s]
     if not chosen or set(chosen) - set(STAGES):
         ap.error(f"--stages: choose from {', '.join(STAGES)}")
@@ -158,15 +172,21 @@ def main(argv=None) -> int:
     eval_file = run_dir / "eval_prompts.jsonl"
     test_rows = (REPO / "rlhf_cli/demo/data/polite_test.jsonl").read_text(encoding="utf-8").splitlines()[:8]
     eval_file.write_text("\n".join(test_rows) + "\n", encoding="utf-8")
-    ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length, a.recipe_batches)
+    ov = overrides(run_dir, eval_file, a.precision, a.device, a.threads, a.response_length, a.recipe_batches,
+                   a.tiny)
     extra = {"eval": ["eval.policies.dpo=" + str(run_dir / "dpo")] if "dpo" in chosen else [],
              "chat": ["prompt=hello", "chat.model_dir=" + str(run_dir / "ppo"), "chat.max_new_tokens=8"]}
     stages = [(s, extra.get(s, [])) for s in STAGES if s in chosen]
     rows = []
+    out_file = run_dir / "real_check.json"
+    out_file.unlink(missing_ok=True)  # a JSON left by an earlier run must not pass for this one's
     for stage, extra in stages:
         rc, wall, rss = run_stage([stage, *ov, *extra], run_dir / f"{stage}.log")
         rows.append({"stage": stage, "rc": rc, "wall_s": round(wall, 1), "peak_rss_gib": round(rss, 2)})
         print(json.dumps(rows[-1]), flush=True)
+        # a caller's time limit can end this process before the summary: what ran so far is on disk
+        out_file.write_text(json.dumps({"precision": a.precision, "device": a.device, "threads": a.threads,
+                                        "tiny": a.tiny, "partial": True, "stages": rows}, indent=2) + "\n")
         if rc != 0:
             print(f"{stage} failed: see {run_dir / (stage + '.log')}", file=sys.stderr)
             break
@@ -176,7 +196,7 @@ def main(argv=None) -> int:
         r["plan_gib"] = round(plan, 2) if plan else None
         r["rss_vs_plan"] = round(r["peak_rss_gib"] / plan, 3) if plan else None
         r["gpu_peak_gib"] = gpu_peak(run_dir, r["stage"]) if a.device == "cuda" else None
-    result = {"precision": a.precision, "device": a.device, "threads": a.threads, "stages": rows}
+    result = {"precision": a.precision, "device": a.device, "threads": a.threads, "tiny": a.tiny, "stages": rows}
     if all(r["rc"] == 0 for r in rows) and len(rows) == len(stages):
         if "eval" in chosen:
             result["eval"] = json.loads((run_dir / "eval" / "report.json").read_text())["policies"]
@@ -189,7 +209,7 @@ def main(argv=None) -> int:
             result["dpo_lora_b_moved"] = dpo_moved(run_dir)
             result["dpo_metrics"] = json.loads((run_dir / "dpo" / "metrics.json").read_text())
         print(json.dumps({k: result[k] for k in ("changed_in_last_update", "dpo_lora_b_moved", "eval") if k in result}))
-    (run_dir / "real_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
     print("\n| stage | exit | wall (s) | peak RSS (GiB) | peak GPU (GiB) | doctor plan (GiB) | RSS / plan |\n"
           "|---|---|---|---|---|---|---|")
     for r in rows:
