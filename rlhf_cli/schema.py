@@ -236,6 +236,8 @@ SCHEMA: dict[str, Rule] = {
     "ppo.reward_weights": Rule("number_list", nullable=True, help="one per source (PPOConfig.check); null: 1 each"),
     "ppo.reward_timeout_s": number(gt=0, help="seconds a reward server may take to answer one batch"),
     "ppo.reward_retries": whole(0, help="tries after a reward server's first failed one, with exponential backoff"),
+    "ppo.reward_max_abs": number(gt=0, null=True, help="the largest |score| a reward function or server may give "
+                                 "(rlhf_cli.ppo.rewards); null: no limit"),
     "ppo.advantage": one_of(*ADVANTAGES),
     "ppo.samples_per_prompt": count(help="responses per prompt; ≥ 2 for grpo / rloo, divides the batch "
                                     "(PPOConfig.check)"),

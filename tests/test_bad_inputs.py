@@ -123,6 +123,21 @@ CASES = [
          files=(("sft.jsonl", '{"prompt": "q", "completion": "a"}\n' * 4),), early=False),
     Case("ppo ppo.resume=true ppo.policy_dir={tiny_base} ppo.reward=[rlhf_cli.demo:polite_reward] ppo.value_init=sft",
          "no interrupted run to resume", early=False),
+    # reward functions that would end the run without a word, or train on something that is no score
+    Case("ppo ppo.policy_dir={tiny_base} ppo.reward=[rules.py:score] ppo.value_init=sft",
+         "rules.py called sys.exit(2) after printing",
+         files=(("rules.py", "import argparse\nargparse.ArgumentParser().parse_args()\n"
+                             "def score(prompts, responses):\n    return [0.0] * len(responses)\n"),), early=False),
+    Case("ppo ppo.policy_dir={tiny_base} ppo.reward=[quits.py:score] ppo.value_init=sft",
+         "ppo.reward function quits.py:score called sys.exit(3) while scoring",
+         files=(("quits.py", "import sys\ndef score(prompts, responses):\n    sys.exit(3)\n"),), early=False),
+    Case("ppo ppo.policy_dir={tiny_base} ppo.reward=[keyed.py:score] ppo.value_init=sft",
+         "ppo.reward function keyed.py:score returned a dict",
+         files=(("keyed.py", "def score(prompts, responses):\n    return {i: 1.0 for i in range(len(responses))}\n"),),
+         early=False),
+    Case("ppo ppo.policy_dir={tiny_base} ppo.reward=[huge.py:score] ppo.value_init=sft",
+         "beyond ppo.reward_max_abs=10000; rescale its rewards",
+         files=(("huge.py", "def score(prompts, responses):\n    return [1e300] * len(responses)\n"),), early=False),
     # top-level typos and ranges; the wrong kind of model; weights that would be unpickled
     Case("sft +foo=bar", "foo is not a config key; `rlhf sft --cfg job` prints the keys"),
     Case("sft seed=99999999999999999999", "use a whole number in [0, 4294967295]"),

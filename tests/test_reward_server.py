@@ -47,26 +47,43 @@ def polite_openrlhf(body: dict):
 
 class PoliteServer:
     """A ThreadingHTTPServer on 127.0.0.1 (a free port) serving `answer(body) -> (status, JSON value or bytes)`
-    on POST in a thread; keeps every request body. Stops when the `with` block ends, after `LIFETIME_S`, or
-    after answering `stop_after` requests (its port then refuses connections)."""
+    (or `(status, value, headers)`) on POST in a thread; keeps every request body. Stops when the `with` block
+    ends, after `LIFETIME_S`, or after answering `stop_after` requests (its port then refuses connections).
+    `trickle_s`: the answer's body is sent one byte at a time, this many seconds apart. A GET (what a POST
+    becomes after a 302 in urllib) is kept in `gets` and answered with three rewards of 1.0."""
 
-    def __init__(self, answer: Callable = polite, stop_after: int | None = None) -> None:
-        self.answer, self.stop_after, self.bodies = answer, stop_after, []
+    def __init__(self, answer: Callable = polite, stop_after: int | None = None,
+                 trickle_s: float | None = None) -> None:
+        self.answer, self.stop_after, self.trickle_s, self.bodies, self.gets = answer, stop_after, trickle_s, [], []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # http.server calls it by this name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.bodies.append(body)
-                status, value = server.answer(body)
+                status, value, *headers = server.answer(body)
                 data = value if isinstance(value, bytes) else json.dumps(value).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, text in (headers[0] if headers else {}).items():
+                    self.send_header(name, text)
                 self.end_headers()
-                self.wfile.write(data)
+                if server.trickle_s is None:
+                    self.wfile.write(data)
+                for i in range(len(data) if server.trickle_s is not None else 0):
+                    self.wfile.write(data[i:i + 1])
+                    time.sleep(server.trickle_s)
                 if server.stop_after is not None and len(server.bodies) >= server.stop_after:
                     threading.Thread(target=server.stop, daemon=True).start()
+
+            def do_GET(self):
+                server.gets.append(self.path)
+                data = json.dumps([1.0, 1.0, 1.0]).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def log_message(self, *args):  # quiet
                 pass
@@ -154,7 +171,10 @@ def test_loaded_as_a_reward_source_with_its_name_and_keys():
     assert c.reward == ("model", "rlhf_cli.demo:polite_reward", url) and c.weights() == (1.0, 0.5, 2.0)
     assert (cfg.ppo.reward_timeout_s, cfg.ppo.reward_retries) == (7, 1)
     defaults = compose("ppo").ppo
-    assert (defaults.reward_timeout_s, defaults.reward_retries) == (60, 3)
+    assert (defaults.reward_timeout_s, defaults.reward_retries, defaults.reward_max_abs) == (60, 3, 1e4)
+    assert compose("ppo", ["ppo.reward_max_abs=null"]).ppo.reward_max_abs is None
+    r = RewardFunction.load(url, max_abs=50)
+    assert isinstance(r, RemoteReward) and r.max_abs == 50.0 and RewardFunction.load(url, max_abs=None).max_abs is None
 
 
 @pytest.mark.parametrize("url, needle", [
@@ -176,6 +196,8 @@ def test_a_malformed_url_is_one_line(url, needle):
 @pytest.mark.parametrize("override, needle", [
     ("ppo.reward_timeout_s=0", "ppo.reward_timeout_s=0 is out of range"),
     ("ppo.reward_retries=-1", "ppo.reward_retries=-1 is out of range"),
+    ("ppo.reward_max_abs=0", "ppo.reward_max_abs=0 is out of range; use a number > 0, or null"),
+    ("ppo.reward_max_abs=inf", "ppo.reward_max_abs=inf is not a finite number"),
 ])
 def test_timeout_and_retries_are_checked(override, needle):
     with pytest.raises(RlhfError, match=needle):
@@ -249,6 +271,57 @@ def test_a_malformed_answer_is_never_used(answer, needle):
         fails(quick(server.url, retries=1), "after 2 tries", needle,
               'the server must answer {"rewards": [one finite number per response]}')
     assert len(server.bodies) == 2
+
+
+@pytest.mark.parametrize("code", [307, 308])
+def test_a_307_or_308_redirect_is_followed_with_the_same_post(code):
+    with PoliteServer() as target, \
+            PoliteServer(lambda body: (code, b"", {"Location": target.url})) as moved:
+        assert quick(moved.url, retries=0)(PROMPTS, RESPONSES) == POLITE
+    assert len(moved.bodies) == len(target.bodies) == 1 and moved.bodies == target.bodies  # body and all
+    assert not target.gets
+
+
+@pytest.mark.parametrize("code", [301, 302, 303])
+def test_a_redirect_that_would_drop_the_batch_is_refused_naming_both_urls(code):
+    """urllib follows these with a body-less GET and would use its answer (here three rewards of 1.0)."""
+    with PoliteServer() as target, \
+            PoliteServer(lambda body: (code, b"", {"Location": target.url})) as moved:
+        msg = fails(quick(moved.url), f"failed at its first try: HTTP {code} ",
+                    f", a redirect to {target.url}, which would drop the batch (a GET); set ppo.reward to "
+                    f"{target.url} (307 / 308 redirects are followed)")
+    assert msg.count(moved.url) == 1
+    assert len(moved.bodies) == 1 and not target.bodies and not target.gets  # not retried, nothing sent on
+
+
+def test_a_redirect_loop_stops_after_a_few_hops():
+    with PoliteServer(lambda body: (307, b"", {"Location": "/score"})) as loop:
+        fails(quick(loop.url), "failed at its first try: more than 5 redirects (the last, HTTP 307, to "
+              f"{loop.url}); set ppo.reward to the server's final URL")
+    assert len(loop.bodies) == 6
+
+
+def test_the_timeout_bounds_the_whole_answer_not_each_byte():
+    """A server that trickles its answer a byte every 0.1 s never trips a per-read timeout of 1 s."""
+    with PoliteServer(trickle_s=0.1) as server:
+        start = time.monotonic()
+        fails(quick(server.url, timeout_s=1.0, retries=0), "at its first try: no complete answer within 1 s (",
+              "bytes by then); make the server answer a batch faster, or raise ppo.reward_timeout_s (now 1)")
+        assert 0.9 <= time.monotonic() - start < 2.0
+    with PoliteServer(trickle_s=0.002) as server:  # slow bytes, within the time: read whole
+        assert quick(server.url, timeout_s=5.0, retries=0)(PROMPTS, RESPONSES) == POLITE
+
+
+def test_a_reward_beyond_reward_max_abs_stops_at_once():
+    with PoliteServer(lambda body: (200, {"rewards": [1.0, -2e300, 0.0]})) as server:
+        with pytest.raises(RlhfError) as e:
+            quick(server.url)(PROMPTS, RESPONSES)
+        assert str(e.value) == (f"ppo.reward server {server.url} answered -2e+300 for response 1, beyond "
+                                "ppo.reward_max_abs=10000; rescale its rewards, or raise ppo.reward_max_abs (null: "
+                                "no limit)")
+        assert len(server.bodies) == 1  # not retried: the server would say the same again
+        unbounded = RemoteReward(server.url, timeout_s=5.0, retries=0, max_abs=None)
+        assert unbounded(PROMPTS, RESPONSES) == [1.0, -2e300, 0.0]
 
 
 # ------------------------------------------------------------------------------------ the real `rlhf ppo`

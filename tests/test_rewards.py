@@ -265,3 +265,195 @@ def test_eval_reports_a_ground_truth_function_on_other_data(tmp_path, monkeypatc
     assert math.isclose(sum(x["ground_truth"] for x in sft) / len(sft), rate)
     md = (tmp_path / "eval" / "report.md").read_text()
     assert "| ground_truth_rate |" in md and "| rm_gt_disagreement |" in md and "mentions_rice" in md
+
+
+# ------------------------------------------------------------------------------------- user code that exits
+EXITS = """
+    import sys
+    def exits(prompts, responses):
+        sys.exit(2)
+    def bare_exit(prompts, responses):
+        sys.exit()
+    def generator_exit(prompts, responses):
+        raise GeneratorExit
+    def ctrl_c(prompts, responses):
+        raise KeyboardInterrupt
+    def lazy_exit(prompts, responses):
+        yield 1.0
+        sys.exit("done")
+    def checker_exits(text):
+        sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("exits", ("called sys.exit(2) while scoring 3 responses; return the scores instead, or remove it from "
+               "ppo.reward")),
+    ("bare_exit", "called sys.exit() while scoring"),
+    ("generator_exit", "raised GeneratorExit while scoring"),
+    ("lazy_exit", "called sys.exit('done') while scoring"),  # in the generator it returned, read by rlhf
+])
+def test_a_function_that_exits_is_one_line_naming_it(tmp_path, name, needle):
+    path = rules_file(tmp_path, EXITS)
+    with pytest.raises(RlhfError) as e:
+        RewardFunction.load(f"{path}:{name}")(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert msg.startswith(f"ppo.reward function {path}:{name} ") and needle in msg and "\n" not in msg, msg
+
+
+def test_ctrl_c_in_a_function_stays_ctrl_c(tmp_path):
+    """KeyboardInterrupt is the user's Ctrl-C: the CLI stops with its resume hint, not a blame on the function."""
+    with pytest.raises(KeyboardInterrupt):
+        RewardFunction.load(f"{rules_file(tmp_path, EXITS)}:ctrl_c")(PROMPTS, RESPONSES)
+
+
+def test_a_checker_that_exits_is_one_line_naming_it(tmp_path):
+    with pytest.raises(RlhfError) as e:
+        GroundTruth.load(f"{rules_file(tmp_path, EXITS)}:checker_exits")(RESPONSES)
+    msg = str(e.value)
+    assert msg.startswith("data.ground_truth function ") and ":checker_exits called sys.exit(1) on response 0 " \
+        "('Thanks! Rinse it.'); return a bool or a number in [0, 1] instead, or set data.ground_truth=null" in msg
+
+
+ARGPARSE_AT_IMPORT = """
+    import argparse
+    parser = argparse.ArgumentParser(prog="rlhf")
+    parser.add_argument("--n", type=int)
+    args = parser.parse_args(["ppo", "ppo.reward=[x]"])  # what `rlhf ppo ...` gives sys.argv
+    def score(prompts, responses):
+        return [0.0] * len(responses)
+    def check(text):
+        return True
+"""
+
+
+def test_a_module_that_exits_at_import_is_one_line_not_its_own_error(tmp_path, capsys):
+    """argparse at import prints `rlhf: error: unrecognized arguments` (which reads as rlhf's own) and exits 2:
+    that line is quoted in ours and not printed on its own."""
+    path = rules_file(tmp_path, ARGPARSE_AT_IMPORT)
+    for load, key in ((RewardFunction.load, "ppo.reward"), (GroundTruth.load, "data.ground_truth")):
+        name = "score" if key == "ppo.reward" else "check"
+        with pytest.raises(RlhfError) as e:
+            load(f"{path}:{name}")
+        msg = str(e.value)
+        assert msg.startswith(f"{key}: {path}:{name}: importing {path} called sys.exit(2) after printing "
+                              "'rlhf: error: unrecognized arguments: ppo ppo.reward=[x]'; the module is imported, "
+                              'not run: put its command-line code under `if __name__ == "__main__":`'), msg
+        assert "\n" not in msg
+    assert "unrecognized arguments" not in capsys.readouterr().err
+
+
+def test_a_module_by_name_that_exits_at_import_is_named(tmp_path, monkeypatch):
+    (tmp_path / "exits_at_import_mod.py").write_text("import sys\nsys.exit(3)\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RlhfError, match=r"^ppo.reward: exits_at_import_mod:score: importing exits_at_import_mod "
+                                        r"called sys.exit\(3\); the module is imported, not run"):
+        RewardFunction.load("exits_at_import_mod:score")
+
+
+def test_what_a_module_prints_at_import_is_passed_on(tmp_path, capsys):
+    path = rules_file(tmp_path, """
+        import sys
+        print("loading rules", file=sys.stderr)
+        def score(prompts, responses):
+            return [0.0] * len(responses)
+    """)
+    assert RewardFunction.load(f"{path}:score")(PROMPTS, RESPONSES) == [0.0, 0.0, 0.0]
+    assert "loading rules" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- what may be returned
+RETURNS = """
+    import numpy as np
+    import torch
+    def as_dict(prompts, responses):
+        return {i: 0.5 for i in range(len(responses))}
+    def as_set(prompts, responses):
+        return {0.0, 1.0, 2.0}
+    def as_text(prompts, responses):
+        return "101"
+    def as_bytes(prompts, responses):
+        return b"101"
+    def long_generator(prompts, responses):
+        while True:
+            yield 1.0
+    def short_generator(prompts, responses):
+        yield 1.0
+    def generator(prompts, responses):
+        return (float(len(r) > 0) for r in responses)
+    def matrix(prompts, responses):
+        return torch.zeros(3, 2)
+    def nested(prompts, responses):
+        return [[1.0], [0.0], [0.0]]
+    def numpy_array(prompts, responses):
+        return np.array([1, 0, 2], dtype=np.int64)
+    def numpy_scalars(prompts, responses):
+        return [np.float32(0.5), np.float64(1.0), np.int32(2)]
+    def column(prompts, responses):
+        return torch.tensor([[1.0], [2.0], [3.0]])
+    def bools(prompts, responses):
+        return [True, False, True]
+    def one_number(prompts, responses):
+        return torch.tensor(4.0)
+"""
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("as_dict", ("returned a dict ({0: 0.5, 1: 0.5, 2: 0.5}), not a list; return one float per response (3), "
+                 "in order")),
+    ("as_set", "returned a set ({0.0, 1.0, 2.0}), not a list"),
+    ("as_text", "returned a str ('101'), not a list"),
+    ("as_bytes", "returned a bytes (b'101'), not a list"),
+    ("long_generator", "returned more than 3 values for 3 responses"),
+    ("short_generator", "returned 1 values for 3 responses"),
+    ("matrix", "returned a Tensor of shape (3, 2); return one float per response (3), in order"),
+    ("nested", "returned [1.0] (list) for response 0; return one float per response"),
+])
+def test_a_return_value_that_is_not_one_number_per_response_is_refused(tmp_path, name, needle):
+    fn = RewardFunction.load(f"{rules_file(tmp_path, RETURNS)}:{name}")
+    with pytest.raises(RlhfError) as e:
+        fn(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert msg.startswith(f"ppo.reward function {fn.spec} ") and needle in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("name, want", [
+    ("generator", [1.0, 1.0, 0.0]),
+    ("numpy_array", [1.0, 0.0, 2.0]),
+    ("numpy_scalars", [0.5, 1.0, 2.0]),
+    ("column", [1.0, 2.0, 3.0]),
+    ("bools", [1.0, 0.0, 1.0]),  # a pass / fail reward: 1 / 0
+])
+def test_sequences_arrays_and_numpy_numbers_are_accepted(tmp_path, name, want):
+    got = RewardFunction.load(f"{rules_file(tmp_path, RETURNS)}:{name}")(PROMPTS, RESPONSES)
+    assert got == want and all(type(x) is float for x in got)
+
+
+def test_a_0d_tensor_scores_a_single_response(tmp_path):
+    assert RewardFunction.load(f"{rules_file(tmp_path, RETURNS)}:one_number")(["p"], ["r"]) == [4.0]
+
+
+# ------------------------------------------------------------------------------------- magnitude
+HUGE = """
+    def huge(prompts, responses):
+        return [1.0, -1e300, 5e299]
+    def edge(prompts, responses):
+        return [1e4, -1e4, 0.0]
+"""
+
+
+def test_a_score_beyond_reward_max_abs_is_one_line_naming_the_function(tmp_path):
+    from rlhf_cli.ppo.rewards import DEFAULT_MAX_ABS
+
+    path = rules_file(tmp_path, HUGE)
+    fn = RewardFunction.load(f"{path}:huge")
+    assert fn.max_abs == DEFAULT_MAX_ABS == 1e4
+    with pytest.raises(RlhfError) as e:
+        fn(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert msg == (f"ppo.reward function {path}:huge returned -1e+300 for response 1, beyond "
+                   "ppo.reward_max_abs=10000; rescale its rewards, or raise ppo.reward_max_abs (null: no limit)"), msg
+    assert RewardFunction.load(f"{path}:edge")(PROMPTS, RESPONSES) == [1e4, -1e4, 0.0]  # the bound itself is fine
+    assert RewardFunction.load(f"{path}:huge", max_abs=None)(PROMPTS, RESPONSES) == [1.0, -1e300, 5e299]
+    with pytest.raises(RlhfError, match=r"returned 10000 for response 0, beyond ppo.reward_max_abs=100;"):
+        RewardFunction.load(f"{path}:edge", max_abs=100)(PROMPTS, RESPONSES)

@@ -22,7 +22,7 @@ GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: sam
 # the stage does with the run's directory
 NOT_FIELDS = frozenset({
     "output_dir", "policy_dir", "reward_dir", "value_init", "value_lora", "activation_checkpointing",
-    "reward_timeout_s", "reward_retries",
+    "reward_timeout_s", "reward_retries", "reward_max_abs",
     "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",
     "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
     "rollout_forward_batch_size", "resume", "fresh", "merge",

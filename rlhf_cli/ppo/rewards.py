@@ -18,14 +18,21 @@ the same inputs, `{"rewards": [...]}` back; OpenRLHF's remote reward servers wor
 Ground truth (`data.ground_truth`): called once per response as ``fn(response, **wanted)`` with `prompt` and the
 row's extra fields on request; returns a bool, or a number in [0, 1] (partial credit). `demo_polite` is the
 shipped demo's checker, `rlhf_cli.demo:is_polite`.
+
+User code cannot end the run without saying why: sys.exit() (argparse at import, say) or GeneratorExit while
+importing or calling a function becomes one RlhfError line naming it. Ctrl-C (KeyboardInterrupt) and the CLI's
+SIGTERM pass through as they are: those are the user's, not the function's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib
 import importlib.util
 import inspect
+import io
+import itertools
 import json
 import logging
 import math
@@ -35,7 +42,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -51,6 +59,8 @@ log = logging.getLogger("rlhf")
 BUILTIN_GROUND_TRUTH = GROUND_TRUTH_SPECS
 REWARD_INPUTS = ("prompt_ids", "response_ids", "truncated")  # besides prompts and responses, and the data's fields
 SPEC_HELP = "module:function or /path/file.py:function"
+DEFAULT_MAX_ABS = 1e4  # ppo.reward_max_abs's default: the largest |score| a function or server may give
+USER_EXITS = (SystemExit, GeneratorExit)  # what user code ends with that is no error of an Exception's kind
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -85,13 +95,17 @@ def load_function(spec: str, key: str) -> Callable:
             loader_spec = importlib.util.spec_from_file_location(mod_name, path)
             module = importlib.util.module_from_spec(loader_spec)
             try:
-                loader_spec.loader.exec_module(module)
+                _importing(lambda: loader_spec.loader.exec_module(module), f"{key}: {spec}: importing {path}")
+            except RlhfError:
+                raise
             except Exception as e:  # noqa: BLE001 - any error in the user's file: one line naming it
                 raise RlhfError(f"{key}: {spec}: importing {path} failed ({_first_line(e)})") from e
             sys.modules[mod_name] = module
     else:
         try:
-            module = importlib.import_module(target)
+            module = _importing(lambda: importlib.import_module(target), f"{key}: {spec}: importing {target}")
+        except RlhfError:
+            raise
         except ModuleNotFoundError as e:
             raise RlhfError(f"{key}: {spec}: no module {e.name!r} (is it installed, or on PYTHONPATH? a file is "
                             "named as /path/file.py:function)") from e
@@ -105,6 +119,48 @@ def load_function(spec: str, key: str) -> Callable:
     if not callable(fn):
         raise RlhfError(f"{key}: {spec}: {name} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _importing(load: Callable, what: str):
+    """`load()`, the import of a user's module, with what it writes to stderr held back until it is done: a
+    module that exits at import (argparse reading rlhf's own command line, say) printed an error that reads as
+    rlhf's, so its last line is quoted in ours instead. Whatever else it printed is passed on."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            return load()
+    except USER_EXITS as e:
+        printed = (held.getvalue().strip().splitlines() or [""])[-1]
+        held = None
+        raise RlhfError(f"{what} {_exit_text(e)}{f' after printing {_one_line(printed, 160)!r}' if printed else ''}"
+                        "; the module is imported, not run: put its command-line code under "
+                        "`if __name__ == \"__main__\":`") from e
+    finally:
+        if held is not None and held.getvalue():
+            sys.stderr.write(held.getvalue())
+
+
+def _exit_text(e: BaseException) -> str:
+    """"called sys.exit(2)" / "raised GeneratorExit": how user code tried to end the run."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({'' if e.code is None else repr(e.code)})"
+    return f"raised {type(e).__name__}"
+
+
+class _NoExit:
+    """Around a call of user code: sys.exit() or GeneratorExit in it becomes one RlhfError line `what ... doing;
+    fix` (the CLI would otherwise end with that exit's code and no word on why). Everything else passes."""
+
+    def __init__(self, what: str, doing: str, fix: str) -> None:
+        self.what, self.doing, self.fix = what, doing, fix
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if isinstance(e, USER_EXITS):
+            raise RlhfError(f"{self.what} {_exit_text(e)} {self.doing}; {self.fix}") from e
+        return False
 
 
 def _first_line(e: BaseException) -> str:
@@ -135,6 +191,46 @@ def _wanted(fn: Callable, spec: str, key: str, positional: int, offered: set[str
 
 
 # -------------------------------------------------------------------------------------------------- checks
+def _scores(out, n: int, what: str) -> list[float]:
+    """`n` finite floats from what a reward function returned: a list, tuple or generator, or a tensor / array
+    of n values (shape (n,), (n, 1) or (1, n)), one number per response in order. A dict (its keys would be the
+    scores), a set (no order), text or bytes (characters) are refused, not read as numbers."""
+    fix = f"return one float per response ({n}), in order"
+    if isinstance(out, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)):
+        raise RlhfError(f"{what} returned a {type(out).__name__} ({_one_line(repr(out), 60)}), not a list; {fix}")
+    if isinstance(out, torch.Tensor) or (hasattr(out, "__array__") and hasattr(out, "shape")):
+        shape = tuple(out.shape)
+        if sum(d != 1 for d in shape) > 1:
+            raise RlhfError(f"{what} returned a {type(out).__name__} of shape {shape}; {fix}")
+        if isinstance(out, torch.Tensor):
+            out = out.detach().flatten().tolist()
+        else:
+            import numpy as np
+
+            out = np.asarray(out).reshape(-1).tolist()
+    if not isinstance(out, Sized):
+        if not isinstance(out, Iterable):
+            raise RlhfError(f"{what} returned a {type(out).__name__}, not a list; {fix}")
+        out = list(itertools.islice(out, n + 1))  # a generator: read no further than one too many
+        if len(out) > n:
+            raise RlhfError(f"{what} returned more than {n} values for {n} responses; {fix}")
+    if len(out) != n:
+        raise RlhfError(f"{what} returned {len(out)} values for {n} responses; return one float per response")
+    return [_number(v, i, what) for i, v in enumerate(out)]
+
+
+def _within(scores: list[float], max_abs: float | None, what: str) -> list[float]:
+    """`scores`, unless one is beyond ±`max_abs` (ppo.reward_max_abs): such a score swamps the KL penalty and
+    the other sources, and the run would end later as a loss blow-up blamed on the learning rate."""
+    if max_abs is None or not scores:
+        return scores
+    i = max(range(len(scores)), key=lambda j: abs(scores[j]))
+    if abs(scores[i]) > max_abs:
+        raise RlhfError(f"{what} {scores[i]:g} for response {i}, beyond ppo.reward_max_abs={max_abs:g}; rescale "
+                        "its rewards, or raise ppo.reward_max_abs (null: no limit)")
+    return scores
+
+
 def _number(v, i: int, what: str) -> float:
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
@@ -158,6 +254,7 @@ class RewardFunction:
     spec: str
     fn: Callable
     wanted: frozenset[str] | None   # keyword inputs it declared; None: all (it takes **kwargs)
+    max_abs: float | None = DEFAULT_MAX_ABS  # ppo.reward_max_abs: the largest |score| accepted; None: any
 
     @property
     def name(self) -> str:
@@ -165,37 +262,32 @@ class RewardFunction:
 
     @classmethod
     def load(cls, spec: str, extra_fields: set[str] = frozenset(), key: str = "ppo.reward", *,
-             timeout_s: float = 60.0, retries: int = 3) -> RewardFunction | RemoteReward:
+             timeout_s: float = 60.0, retries: int = 3,
+             max_abs: float | None = DEFAULT_MAX_ABS) -> RewardFunction | RemoteReward:
         """The function `spec` names, or for an http(s) URL the `RemoteReward` asking that server (`timeout_s`
-        and `retries` are its ppo.reward_timeout_s and ppo.reward_retries): both are called the same way."""
+        and `retries` are its ppo.reward_timeout_s and ppo.reward_retries): both are called the same way.
+        `max_abs` is ppo.reward_max_abs, for both."""
+        max_abs = None if max_abs is None else float(max_abs)
         if is_server_url(spec):
-            return RemoteReward.load(spec, key, timeout_s=timeout_s, retries=retries)
+            return RemoteReward.load(spec, key, timeout_s=timeout_s, retries=retries, max_abs=max_abs)
         fn = load_function(spec, key)
         wanted = _wanted(fn, spec, key, 2, set(REWARD_INPUTS) | set(extra_fields))
-        return cls(spec, fn, None if wanted is None else frozenset(wanted))
+        return cls(spec, fn, None if wanted is None else frozenset(wanted), max_abs)
 
     def __call__(self, prompts: list[str], responses: list[str], **inputs) -> list[float]:
         """Scores of `responses`: one finite float each, or an RlhfError naming the function."""
         kw = inputs if self.wanted is None else {k: v for k, v in inputs.items() if k in self.wanted}
-        what = f"ppo.reward function {self.spec}"
+        what, n = f"ppo.reward function {self.spec}", len(responses)
         try:
-            out = self.fn(prompts, responses, **kw)
+            with _NoExit(what, f"while scoring {n} responses", "return the scores instead, or remove it from "
+                         "ppo.reward"):
+                scores = _scores(self.fn(prompts, responses, **kw), n, what)  # a generator's code runs here too
         except RlhfError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: one line naming it
-            raise RlhfError(f"{what} raised {_first_line(e)}; fix it (it got {len(responses)} responses) or "
+            raise RlhfError(f"{what} raised {_first_line(e)}; fix it (it got {n} responses) or "
                             "remove it from ppo.reward") from e
-        if isinstance(out, torch.Tensor):
-            out = out.detach().flatten().tolist()
-        try:
-            n = len(out)
-        except TypeError:
-            raise RlhfError(f"{what} returned a {type(out).__name__}, not a list; return one float per "
-                            "response") from None
-        if n != len(responses):
-            raise RlhfError(f"{what} returned {n} values for {len(responses)} responses; return one float per "
-                            "response")
-        return [_number(v, i, what) for i, v in enumerate(out)]
+        return _within(scores, self.max_abs, f"{what} returned")
 
 
 # ---------------------------------------------------------------------------------------------- reward servers
@@ -209,6 +301,28 @@ class _TryFailed(Exception):
 
 FORMAT_FIX = 'the server must answer {"rewards": [one finite number per response]} or a bare list of them'
 MAX_BACKOFF_S = 30.0
+MAX_REDIRECTS = 5   # 307 / 308 hops followed per try
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """307 / 308: the same POST, body and all, sent again to the Location, at most MAX_REDIRECTS times. 301 /
+    302 / 303 are refused: urllib would follow them with a GET without the batch and use whatever came back."""
+
+    max_repeats = max_redirections = MAX_REDIRECTS + 1  # the count below stops first, with a clearer line
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if code not in (307, 308):
+            fp.close()
+            raise _TryFailed(f"HTTP {code} {msg}, a redirect to {newurl}, which would drop the batch (a GET)",
+                             f"set ppo.reward to {newurl} (307 / 308 redirects are followed)", retry=False)
+        hops = getattr(req, "rlhf_hops", 0) + 1
+        if hops > MAX_REDIRECTS:
+            fp.close()
+            raise _TryFailed(f"more than {MAX_REDIRECTS} redirects (the last, HTTP {code}, to {newurl})",
+                             "set ppo.reward to the server's final URL", retry=False)
+        new = urllib.request.Request(newurl, data=req.data, headers=dict(req.headers), method="POST")
+        new.rlhf_hops = hops
+        return new
 
 
 @dataclass(frozen=True)
@@ -225,14 +339,17 @@ class RemoteReward:
     its `serve_rm` reads `query` only, custom OpenRLHF servers `query`, `prompts` and `labels`.
     Answer: `{"rewards": [...]}` (OpenRLHF's; other keys are ignored) or a bare list, one finite number per
     response, used as returned. A failed try is repeated up to `retries` times, `backoff_s` · 2^k apart; a 4xx
-    answer other than 408 / 429 is not (the URL or the request is wrong). Then one RlhfError line names the URL,
-    the last error and what to do. The test's server (tests/test_reward_server.py) is a minimal example.
+    answer other than 408 / 429 is not (the URL or the request is wrong), nor a 301 / 302 / 303 redirect (307 /
+    308 are followed with the same POST). Then one RlhfError line names the URL, the last error and what to do.
+    A reward beyond ±`max_abs` stops the run at once. The test's server (tests/test_reward_server.py) is a
+    minimal example.
     """
 
     url: str
-    timeout_s: float = 60.0       # per try: connecting, and each wait for the server's bytes
+    timeout_s: float = 60.0       # per try, all of it: connecting, redirects, the answer's last byte
     retries: int = 3              # tries after the first
     backoff_s: float = 1.0        # wait before the first retry; doubled each time, at most MAX_BACKOFF_S
+    max_abs: float | None = DEFAULT_MAX_ABS  # ppo.reward_max_abs: the largest |reward| accepted; None: any
 
     @property
     def spec(self) -> str:
@@ -245,12 +362,13 @@ class RemoteReward:
         return re.sub(r"[^A-Za-z0-9]+", "_", f"{parts.scheme}_{parts.netloc}{parts.path}").strip("_").lower()
 
     @classmethod
-    def load(cls, url: str, key: str = "ppo.reward", *, timeout_s: float = 60.0, retries: int = 3) -> RemoteReward:
+    def load(cls, url: str, key: str = "ppo.reward", *, timeout_s: float = 60.0, retries: int = 3,
+             max_abs: float | None = DEFAULT_MAX_ABS) -> RemoteReward:
         """Checks the URL's shape only: the server is first asked at the first scoring step."""
         problem = server_url_error(key, url)
         if problem:
             raise RlhfError(problem)
-        return cls(url, float(timeout_s), int(retries))
+        return cls(url, float(timeout_s), int(retries), max_abs=None if max_abs is None else float(max_abs))
 
     def body(self, prompts: list[str], responses: list[str], **inputs) -> dict:
         """The request for one batch; `inputs` as `reward_inputs` gives them (the data's fields as lists)."""
@@ -268,7 +386,8 @@ class RemoteReward:
         tries, start = self.retries + 1, time.monotonic()
         for k in range(tries):
             try:
-                return self._post(data, len(responses))
+                rewards = self._post(data, len(responses))
+                return _within(rewards, self.max_abs, f"ppo.reward server {self.url} answered")  # not retried
             except _TryFailed as e:
                 failed = e
                 if not e.retry or k == tries - 1:
@@ -280,21 +399,27 @@ class RemoteReward:
         took = f"after {k + 1} tries in {time.monotonic() - start:.1f} s" if k else "at its first try"
         raise RlhfError(f"ppo.reward server {self.url} failed {took}: {failed.reason}; {failed.fix}")
 
+    @property
+    def _wait_fix(self) -> str:
+        return (f"make the server answer a batch faster, or raise ppo.reward_timeout_s (now {self.timeout_s:g}) "
+                "or ppo.reward_retries")
+
     def _post(self, data: bytes, n: int) -> list[float]:
-        """One try: POST `data`, read `n` rewards, or raise `_TryFailed`."""
-        wait_fix = (f"make the server answer a batch faster, or raise ppo.reward_timeout_s (now {self.timeout_s:g}) "
-                    "or ppo.reward_retries")
+        """One try: POST `data`, read `n` rewards, or raise `_TryFailed`; all of it within `timeout_s`."""
+        wait_fix = self._wait_fix
         request = urllib.request.Request(self.url, data=data, method="POST",
                                          headers={"Content-Type": "application/json", "Accept": "application/json"})
+        deadline = time.monotonic() + self.timeout_s
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                raw = reply.read()
+            with urllib.request.build_opener(_Redirects).open(request, timeout=self.timeout_s) as reply:
+                raw = self._read(reply, deadline)
         except urllib.error.HTTPError as e:
             detail = _one_line(e.read().decode("utf-8", "replace"), 160)
-            reason = f"HTTP {e.code} {e.reason}" + (f" ({detail})" if detail else "")
+            reason = f"HTTP {e.code} {_one_line(e.reason)}" + (f" ({detail})" if detail else "")
             if e.code >= 500 or e.code in (408, 429):
                 raise _TryFailed(reason, "see the server's log") from None
             fix = "check the URL's path" if e.code in (404, 405) else \
+                "set ppo.reward to the server's final URL" if 300 <= e.code < 400 else \
                 "the server refused the request: see its log (the request is RemoteReward's in rlhf_cli.ppo.rewards)"
             raise _TryFailed(reason, fix, retry=False) from None
         except TimeoutError:  # while reading the answer
@@ -317,6 +442,27 @@ class RemoteReward:
             raise _TryFailed(f"malformed JSON ({_one_line(raw.decode('utf-8', 'replace'), 80) or 'empty'})",
                              FORMAT_FIX) from None
         return _server_rewards(answer, n)
+
+    def _read(self, reply, deadline: float) -> bytes:
+        """The answer's body, read chunk by chunk against the try's `deadline`: a socket timeout bounds each wait
+        only, so a server trickling its answer a byte at a time would otherwise hold the run for ever."""
+        chunks, got = [], 0
+        while True:
+            left = deadline - time.monotonic()
+            sock = getattr(getattr(getattr(reply, "fp", None), "raw", None), "_sock", None)
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                if isinstance(sock, socket.socket):
+                    sock.settimeout(left)  # the next wait ends at the deadline too
+                chunk = reply.read1(65536)
+            except TimeoutError:
+                raise _TryFailed(f"no complete answer within {self.timeout_s:g} s ({got} bytes by then)",
+                                 self._wait_fix) from None
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            got += len(chunk)
 
 
 def _server_rewards(answer, n: int) -> list[float]:
@@ -427,11 +573,14 @@ class GroundTruth:
                 offered["prompt"] = prompts[i]
             kw = offered if self.wanted is None else {k: v for k, v in offered.items() if k in self.wanted}
             try:
-                v = self.fn(text, **kw)
+                with _NoExit(what, f"on response {i} ({text[:40]!r})", "return a bool or a number in [0, 1] "
+                             "instead, or set data.ground_truth=null"):
+                    x = _number(self.fn(text, **kw), i, what)
+            except RlhfError:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise RlhfError(f"{what} raised {_first_line(e)} on response {i} ({text[:40]!r}); fix it or set "
                                 "data.ground_truth=null") from e
-            x = _number(v, i, what)
             if not 0.0 <= x <= 1.0:
                 raise RlhfError(f"{what} returned {x} for response {i}; return a bool or a number in [0, 1]")
             out.append(x)

@@ -55,7 +55,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     prompts, examples = _sampling.prompts(cfg, tok, "train")
     rows = _sampling.rows(examples)
     extra = {k for r in rows for k in r}
-    functions = {spec: RewardFunction.load(spec, extra, timeout_s=p.reward_timeout_s, retries=p.reward_retries)
+    functions = {spec: RewardFunction.load(spec, extra, timeout_s=p.reward_timeout_s, retries=p.reward_retries,
+                                           max_abs=p.reward_max_abs)
                  for spec in c.reward if spec != REWARD_MODEL}  # a URL: a reward server (RemoteReward)
     gt = _sampling.ground_truth(cfg, examples)
     held_out = _held_out(cfg, tok, c.eval_every)
