@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 RECIPE ?= tiny
 ARGS ?=
 TORCH_INDEX ?=
+# pytest-xdist processes for make test / test-fast: every test runs torch on one thread, so one per core
+TEST_WORKERS ?= 2
 RLHF := $(BIN)/rlhf
 
 .PHONY: help install sft reward ppo dpo eval chain chain-grpo chain-rule chain-dpo chat test test-fast bench bench-real real-check gpu-check dist clean
@@ -64,11 +66,11 @@ chain-dpo: install ## the tiny chain with DPO instead of reward + PPO: sft -> dp
 chat: install ## chat with the newest trained policy (PPO, else SFT; ARGS="chat.model_dir=..." for another)
 	$(RLHF) chat recipe=$(RECIPE) $(ARGS)
 
-test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs)
-	$(BIN)/python -m pytest -q
+test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs), TEST_WORKERS processes
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
-test-fast: install ## unit tests only
-	$(BIN)/python -m pytest -q -m "not slow and not dist"
+test-fast: install ## unit tests only: none that starts rlhf as a process (markers cli, slow, dist)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=10 -m "not slow and not dist and not cli"
 
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
 	$(BIN)/python bench/run.py

@@ -102,10 +102,10 @@ RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 32, "dpo": 64},
 # allocator fragments far less.
 ALLOCATOR_SLACK = {"cpu": 2.0, "cuda": 1.1}
 # PPO on the stock code (the fast paths off, sharded, or on an accelerator): transformers' generate() allocates its
-# code's objects and caches at the first call (~10 MiB anonymous memory on the CPU), and the stock forwards and
-# generate() leave more freed blocks resident than the fast paths (the tiny PPO run measured 125-154 MiB of
-# anonymous growth over eight runs against 111 MiB planned without this constant)
-STOCK_RUNTIME_MIB = 24
+# code's objects and caches at the first call (~10 MiB anonymous memory on the CPU; 14.6 MiB on Qwen3-0.6B's
+# shape, bench/sampling_memory.py). Before the generate engine scored step by step, its stacked logits left more
+# freed blocks resident, and this was 24.
+STOCK_RUNTIME_MIB = 12
 
 
 @dataclass(frozen=True)
@@ -695,8 +695,9 @@ def _ppo_scoring(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, res
     else:
         score = frv * (cb + extra)
         what = f"{f}·{resp}·{V} × ({cb} + {extra}) B: {scored}"
-    plan.items.append(Item("scoring logits", score, what + ", + one layer", "transient"))
-    plan.phases["scoring"] = score + one_layer + _sharded_units(plan, a, ps, causal_lm_params(a), "scoring")
+    plan.items.append(Item("scoring logits", score, what + "; or one layer's working set, the larger", "transient"))
+    # a scoring forward peaks inside a decoder layer or at the head: the logits exist once every layer is done
+    plan.phases["scoring"] = max(score, one_layer) + _sharded_units(plan, a, ps, causal_lm_params(a), "scoring")
 
 
 def _ppo_training(plan: StagePlan, p, a: Arch, ps: Setup, seq: int, copies: float) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +55,19 @@ def tok(base):
     from rlhf_cli.models import load_tokenizer
 
     return load_tokenizer(base)
+
+
+_STARTS_RLHF = re.compile(r"\brun_cli\b|\brlhf\(|rlhf_cli\.cli\b")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start the `rlhf` command as a process (seconds of imports each) are marked `cli`, so that
+    `make test-fast` can leave them to `make test`."""
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if "run_cli" in getattr(item, "fixturenames", ()) or _STARTS_RLHF.search(source):
+            item.add_marker(pytest.mark.cli)

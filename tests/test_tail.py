@@ -121,8 +121,10 @@ def test_values_and_scores_equal_the_whole_sequence_forward():
         torch.testing.assert_close(ref.score_at(ids, mask, pos, last), full[torch.arange(3), last])
     ours(ids, mask, pos, response_length=4).sum().backward()
     ref(ids, mask, pos, response_length=4).sum().backward()
+    # a weight's gradient sums over every token, the span's in another order (it runs fewer rows): fp32 rounding of
+    # the sum, up to 3e-6 on a CPU without AVX-512 (the forward outputs above stay within 1e-6)
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_lora_policy_and_its_adapter_disabled_reference_through_the_span():
