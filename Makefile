@@ -67,10 +67,10 @@ chat: install ## chat with the newest trained policy (PPO, else SFT; ARGS="chat.
 	$(RLHF) chat recipe=$(RECIPE) $(ARGS)
 
 test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs), TEST_WORKERS processes
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 test-fast: install ## unit tests only: none that starts rlhf as a process (markers cli, slow, dist)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=10 -m "not slow and not dist and not cli"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=10 -m "not slow and not dist and not cli"
 
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
 	$(BIN)/python bench/run.py
