@@ -60,20 +60,9 @@ def tok(base):
 _STARTS_RLHF = re.compile(r"\brun_cli\b|\brlhf\(|rlhf_cli\.cli\b")
 
 
-# The modules that take longest (minutes: whole CLI chains, several processes), run first: `make test` hands whole
-# modules to its worker processes in collection order, so a long one left for last would keep one worker busy
-# while the other idles.
-LONGEST_FIRST = ("test_chain", "test_fsdp_ppo", "test_dist", "test_resume_sft_reward", "test_dpo", "test_bad_inputs",
-                 "test_doctor", "test_bad_inputs_ownership", "test_packaging", "test_ppo_eval", "test_gpu_check",
-                 "test_trainer_stages", "test_reward_server", "test_devices", "test_cli_errors", "test_trainer")
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests that start the `rlhf` command as a process (seconds of imports each) are marked `cli`, so that
-    `make test-fast` can leave them to `make test`; the longest modules go first (the same order in every
-    worker: a stable sort by a fixed list)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+    `make test-fast` can leave them to `make test`."""
     for item in items:
         fn = getattr(item, "function", None)
         try:
