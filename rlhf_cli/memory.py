@@ -102,9 +102,8 @@ RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 32, "dpo": 64},
 # allocator fragments far less.
 ALLOCATOR_SLACK = {"cpu": 2.0, "cuda": 1.1}
 # PPO on the stock code (the fast paths off, sharded, or on an accelerator): transformers' generate() allocates its
-# code's objects and caches at the first call (~10 MiB anonymous memory on the CPU; 14.6 MiB on Qwen3-0.6B's
-# shape, bench/sampling_memory.py). Before the generate engine scored step by step, its stacked logits left more
-# freed blocks resident, and this was 24.
+# code's objects and caches at the first call (~10 MiB anonymous memory on the CPU; bench/results/NOTES.md has the
+# tiny and real-shape measurements this allowance is checked against).
 STOCK_RUNTIME_MIB = 12
 
 
