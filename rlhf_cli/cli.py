@@ -19,7 +19,7 @@ import threading
 
 from omegaconf import OmegaConf
 
-from rlhf_cli import launch, schema, supervise
+from rlhf_cli import hints, launch, schema, supervise
 from rlhf_cli.config import (
     COMMANDS,
     CONF_DIR,
@@ -41,6 +41,8 @@ log = logging.getLogger("rlhf")
 # value) has to come before the first override.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
                      "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_HYDRA_FLAGS = _FLAGS_WITH_VALUE | {"--help", "-h", "--hydra-help", "--version", "--resolve", "--run", "-r",
+                                    "--multirun", "-m", "--shell-completion", "-sc"}
 
 HELP = """\
 usage: rlhf <command> [recipe=NAME] [key=value ...]
@@ -110,6 +112,9 @@ def hydra_failure(e: BaseException) -> str:
     while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
     for err in chain:
+        missing = hints.missing_option_message(str(err), CONF_DIR)
+        if missing:
+            return missing
         if isinstance(err, OSError) and err.filename:
             return (f"cannot write the run's directory {err.filename}: {err.strerror}; choose a run_dir that is a "
                     "directory you can write (run_dir=PATH)")
@@ -296,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                  "(see `rlhf --help`)")
     flags, overrides = _partition(argv[1:])
     try:
+        hints.flag_as_key(command, argv[1:], {*schema.SCHEMA, "model", "data", "device"}, _HYDRA_FLAGS)
         hydra_overrides = translate_overrides(command, overrides)
     except RlhfError as e:
         fail(command, str(e))
