@@ -19,7 +19,7 @@ import threading
 
 from omegaconf import OmegaConf
 
-from rlhf_cli import hints, launch, schema, supervise
+from rlhf_cli import data, hints, launch, schema, supervise
 from rlhf_cli.config import (
     COMMANDS,
     CONF_DIR,
@@ -33,7 +33,7 @@ from rlhf_cli.config import (
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.multirun import current_job, dirname_excludes, job_output
 from rlhf_cli.recipes import recipes_command
-from rlhf_cli.stage_table import RESUMABLE, STAGES
+from rlhf_cli.stage_table import NEEDS_DATA, RESUMABLE, STAGES
 
 log = logging.getLogger("rlhf")
 
@@ -199,6 +199,8 @@ def run_stage(cfg) -> dict | None:
                 OmegaConf.update(cfg, output[0], output[1], merge=False)
             schema.validate(cfg)  # every key's type and range, once, before launching or building anything
             schema.check_inputs(cfg)
+            if command in NEEDS_DATA:
+                data.check_files(cfg.data)  # before the stage's imports, which take seconds
             rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")

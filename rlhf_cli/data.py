@@ -77,15 +77,44 @@ def read_rows(path: str, split: str = "train") -> Rows:
             except Exception as e:  # noqa: BLE001
                 raise RlhfError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
         raise RlhfError(f"{p}: unsupported file type '{p.suffix}'; use .jsonl, .json or .parquet")
-    if p.suffix in FILE_SUFFIXES or "/" in path and (path.startswith((".", "/", "~")) or p.parent.exists()):
+    if not is_hub_name(path):
         raise RlhfError(f"data file {p} does not exist; check data.train_path / data.eval_path")
     return _read_hub_dataset(path, split)
+
+
+def is_hub_name(path: str) -> bool:
+    """A data path that is no local file and not written as one: a hub dataset's name (`org/name`)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return False
+    return not (p.suffix in FILE_SUFFIXES or "/" in path and (path.startswith((".", "/", "~")) or p.parent.exists()))
+
+
+def check_files(data_cfg) -> None:
+    """Read and convert the local data files (`data.train_path`, `data.eval_path`) once, before the stage
+    imports its libraries (seconds of torch / transformers / trl): a missing, unreadable or malformed file is
+    one line at once rather than after them. Hub datasets are left to the stage (loading one needs `datasets`);
+    the stage's checks that depend on what it trains (rejected answers, ties) stay with it."""
+    for path in (data_cfg.get("train_path"), data_cfg.get("eval_path")):
+        if not path or is_hub_name(str(path)):
+            continue
+        rows = read_rows(str(path))
+        previous = log.level
+        log.setLevel(logging.ERROR)  # the stage converts the rows again and warns about dropped ones then
+        try:
+            to_examples(rows, data_cfg.format, str(path), data_cfg.get("system_prompt"))
+        finally:
+            log.setLevel(previous)
 
 
 def _read_text(p: Path) -> str:
     """The file as UTF-8 text, a byte-order mark dropped (editors on Windows write one). Anything else is
     refused with the line of the first bad byte and the command that converts it."""
-    data = p.read_bytes()
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise RlhfError(f"data file {p} cannot be read ({e.strerror}); check its permissions "
+                        "(data.train_path / data.eval_path)") from None
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8):]
     try:

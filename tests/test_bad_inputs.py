@@ -111,12 +111,11 @@ CASES = [
     Case("sft model.tiny.dir={tiny_base} data.train_path=gbk.jsonl data.eval_path=null",
          "gbk.jsonl: not UTF-8 (line 2); convert it, e.g. `iconv -f GBK -t UTF-8",
          files=(("gbk.jsonl", ('{"question": "q", "chosen": "a", "rejected": "b"}\n'
-                               '{"question": "你好", "chosen": "谢谢", "rejected": "走开"}\n').encode("gbk")),),
-         early=False),
+                               '{"question": "你好", "chosen": "谢谢", "rejected": "走开"}\n').encode("gbk")),)),
     Case("reward reward.init_from={tiny_base} data.train_path=pairs.jsonl data.eval_path=null",
          "pairs.jsonl: line 9 is missing required key(s) chosen, rejected",
          files=(("pairs.jsonl", '{"question": "q", "chosen": "a", "rejected": "b"}\n' * 4 + "\n\n\n\n"
-                 + '{"question": "q"}\n'),), early=False),
+                 + '{"question": "q"}\n'),)),
     Case("sft device=cuda model.tiny.dir={tiny_base}", "needs a CUDA GPU, but torch sees none", early=False),
     Case("dpo dpo.policy_dir={tiny_base} data.train_path=sft.jsonl data.eval_path=null",
          "data.train_path has no rejected answers (sft.jsonl): this stage needs preference pairs",

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
-from test_cli_errors import assert_one_line_error
+from test_cli_errors import GOOD_ROW, assert_one_line_error
 
 from rlhf_cli import hints, schema
 from rlhf_cli.config import CONF_DIR
@@ -55,3 +59,61 @@ def test_flag_as_key_by_hand():
         hints.flag_as_key("sft", ["--max_steps", "seed=1"], keys, flags)  # the next word is an override
     hints.flag_as_key("sft", ["--cfg", "job", "-m", "seed=1,2"], keys, flags)  # Hydra's own flags pass
     hints.flag_as_key("sft", ["--not_a_key", "1"], keys, flags)  # left to Hydra's own answer
+
+
+# ------------------------------------------------------------------- data files checked before imports
+HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
+
+
+def _loaded_after(args: list[str], cwd) -> tuple[list[str], str]:
+    """The heavy libraries `rlhf ARGS` had imported when it exited, and its stderr."""
+    probe = ("import contextlib, io, sys\nfrom rlhf_cli import cli\nerr = io.StringIO()\n"
+             f"with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):\n    cli.main({args!r})\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\nprint(err.getvalue(), end='')")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    loaded, _, err = out.stdout.partition("\n")
+    return eval(loaded), err  # noqa: S307 - a list literal this test printed
+
+
+@pytest.mark.parametrize(("command", "path", "content", "needle"), [
+    ("sft", "/nonexistent/pairs.jsonl", None, "data file /nonexistent/pairs.jsonl does not exist"),
+    ("reward", "bad.jsonl", "not json\n", "bad.jsonl:1: malformed JSON"),
+    ("ppo", "odd.jsonl", '{"q": 1}\n', "odd.jsonl: line 1 has keys ['q'], which match no known format"),
+])
+def test_bad_data_file_is_reported_before_the_heavy_imports(run_cli, tmp_path, command, path, content, needle):
+    if content is not None:
+        (tmp_path / path).write_text(content)
+    args = [command, "data=file", f"data.train_path={path}"]
+    assert_one_line_error(run_cli(*args), command, needle)
+    loaded, err = _loaded_after(args, tmp_path)
+    assert loaded == [] and needle in err, (loaded, err)
+
+
+def test_bad_eval_file_is_reported_before_the_heavy_imports(tmp_path):
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(GOOD_ROW) + "\n")
+    (tmp_path / "eval.jsonl").write_bytes(b'{"question": "\xff"}\n')
+    loaded, err = _loaded_after(["sft", "data=file", "data.train_path=pairs.jsonl", "data.eval_path=eval.jsonl"],
+                                tmp_path)
+    assert loaded == [] and "eval.jsonl: not UTF-8 (line 1)" in err, (loaded, err)
+
+
+def test_unreadable_data_file_is_one_line(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from rlhf_cli import data
+    from rlhf_cli.errors import RlhfError
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(GOOD_ROW) + "\n")
+    cfg = OmegaConf.create({"train_path": str(path), "eval_path": None, "format": "auto", "system_prompt": None})
+    data.check_files(cfg)  # a good file passes
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(path), "read_bytes", denied)
+    with pytest.raises(RlhfError, match=r"pairs.jsonl cannot be read \(Permission denied\); check its permissions"):
+        data.check_files(cfg)
+    cfg.train_path = "org/some-dataset"  # a hub name: left to the stage, which imports `datasets` for it
+    data.check_files(cfg)
