@@ -251,14 +251,32 @@ def copy_recipe(name: str, dest: str | None = None) -> Path:
     if not RECIPE_NAME.fullmatch(new):
         raise RlhfError(f"'{new}' cannot be a recipe name: use letters, digits, '.', '_' and '-' "
                         "(e.g. my-tiny)")
-    if target.exists():
-        raise RlhfError(f"{target} exists; choose another name (rlhf recipes copy {name} NEW_NAME) or "
-                        "delete it")
+    _check_copy_target(target, name)
     origin = "shipped with rlhf" if source.shipped else str(source.path)
     text = recipe_copy_text(read_recipe(source.path), name, new, origin)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text, encoding="utf-8")
+    try:  # O_EXCL: never through a symlink (one made since the check included), never over a file
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except FileExistsError:
+        raise RlhfError(f"{target} exists (or is a link); choose another name or delete it") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
     return target
+
+
+def _check_copy_target(target: Path, name: str) -> None:
+    """A recipe copy is written only where it is the user's: not into the folder rlhf ships its recipes in (run
+    from rlhf's own checkout, ./recipes is that folder), not through a symlink, not over a file."""
+    if target.is_symlink():
+        raise RlhfError(f"{target} is a symlink (to {os.readlink(target)}); a recipe copy is not written "
+                        "through one: delete the link or choose another name")
+    if target.parent.resolve() == RECIPES_DIR.resolve():
+        raise RlhfError(f"{target.parent.resolve()} is the folder of rlhf's shipped recipes; write your copy "
+                        f"outside it: rlhf recipes copy {name} ~/rlhf-recipes/NEW.yaml, then add that folder to "
+                        f"${RECIPES_ENV} (or run from another directory, where ./recipes is yours)")
+    if target.exists():
+        raise RlhfError(f"{target} exists; choose another name (rlhf recipes copy {name} NEW_NAME) or "
+                        "delete it")
 
 
 def searchpath_override() -> str:

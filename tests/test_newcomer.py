@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_cli_errors import GOOD_ROW, assert_one_line_error
@@ -117,3 +118,53 @@ def test_unreadable_data_file_is_one_line(tmp_path, monkeypatch):
         data.check_files(cfg)
     cfg.train_path = "org/some-dataset"  # a hub name: left to the stage, which imports `datasets` for it
     data.check_files(cfg)
+
+
+# ------------------------------------------------------------------------------------ recipes copy
+def test_recipes_copy_never_writes_into_the_shipped_folder(run_cli):
+    """Run from rlhf's own checkout, ./recipes is the shipped folder: the copy is refused (a test and `make dist`
+    would pick a personal recipe up)."""
+    from rlhf_cli.config import RECIPES_DIR
+
+    shipped = sorted(p.name for p in RECIPES_DIR.iterdir())
+    target = RECIPES_DIR / "my-newcomer-copy.yaml"
+    try:
+        line = assert_one_line_error(run_cli("recipes", "copy", "tiny", "my-newcomer-copy", cwd=RECIPES_DIR.parent),
+                                     "recipes", f"{RECIPES_DIR} is the folder of rlhf's shipped recipes",
+                                     "RLHF_RECIPES")
+        assert not target.exists(), line
+        assert_one_line_error(run_cli("recipes", "copy", "tiny", str(target)), "recipes", "shipped recipes")
+        assert sorted(p.name for p in RECIPES_DIR.iterdir()) == shipped
+    finally:
+        if target.exists():  # the refusal failed: leave the shipped folder as it was
+            target.unlink()
+
+
+@pytest.mark.parametrize("dangling", [True, False])
+def test_recipes_copy_never_writes_through_a_symlink(run_cli, tmp_path, dangling):
+    elsewhere = tmp_path / "elsewhere" / "target.yaml"
+    elsewhere.parent.mkdir()
+    if not dangling:
+        elsewhere.write_text("mine: 1\n")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "my-tiny.yaml").symlink_to(elsewhere)
+    assert_one_line_error(run_cli("recipes", "copy", "tiny", "my-tiny"), "recipes",
+                          f"recipes/my-tiny.yaml is a symlink (to {elsewhere})")
+    assert (elsewhere.read_text() == "mine: 1\n") if not dangling else not elsewhere.exists()
+    rc, out, err = run_cli("recipes", "copy", "tiny", "my-own")  # a plain new name is still written
+    assert rc == 0 and (tmp_path / "recipes" / "my-own.yaml").is_file(), err
+
+
+def test_copy_made_a_link_after_the_check_is_still_not_followed(tmp_path, monkeypatch):
+    """The write itself refuses a link (O_EXCL), so one made between the check and the write is not followed."""
+    from rlhf_cli import config
+    from rlhf_cli.errors import RlhfError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    elsewhere = tmp_path / "elsewhere.yaml"
+    monkeypatch.setattr(config, "_check_copy_target",
+                        lambda target, name: Path(target).symlink_to(elsewhere))
+    with pytest.raises(RlhfError, match=r"recipes/late.yaml exists \(or is a link\)"):
+        config.copy_recipe("tiny", "late")
+    assert not elsewhere.exists()
