@@ -150,7 +150,7 @@ def _resume_hint(cfg) -> str:
     if cfg.get("command") not in RESUMABLE:
         return "completed outputs are intact"
     try:
-        from rlhf_cli.stages._common import resume_hint
+        from rlhf_cli.resume import resume_hint
 
         return resume_hint(cfg)
     except Exception:  # noqa: BLE001 - the line must come out whatever the disk holds

@@ -1,26 +1,25 @@
-"""What the trl-backed stages (sft, reward, dpo) share: precision, trainer arguments from the config, checkpoints and
-resume, the console (a progress bar with the metrics as lines), the guard on non-finite values, and saving."""
+"""What the trl-backed stages (sft, reward, dpo) share: precision, trainer arguments from the config, the console
+(a progress bar with the metrics as lines), the guard on non-finite values, and saving. Their checkpoints and
+resume: rlhf_cli.stages._checkpoints and rlhf_cli.resume (names kept importable from here)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from rlhf_cli import devices, gpu_memory, stage_table
+from rlhf_cli import devices, gpu_memory
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.io import process_rank, read_json, write_json
-from rlhf_cli.launch import is_sharded, strategy, trainer_strategy_kwargs
+from rlhf_cli.launch import is_sharded, trainer_strategy_kwargs
 from rlhf_cli.models import resolve_precision
+from rlhf_cli.resume import latest_checkpoint, partial_dir, resume_hint, run_config  # noqa: F401 - the stages' names
+from rlhf_cli.stages._checkpoints import Checkpoints, resume_unsafe_reason, safe_loading  # noqa: F401
 from rlhf_cli.tracking import trainer_report_to
 
 log = logging.getLogger("rlhf")
@@ -118,280 +117,6 @@ def require_examples(stage: str, kind: str, kept: int, given: int, max_length: i
                         f"(up to data.max_prompt_length={max_prompt_length} tokens) plus the answer")
     log.warning("%s: dropped %d of %d %s examples longer than %s.max_length=%d tokens",
                 stage, given - kept, given, kind, stage, max_length)
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-# A trainer checkpoint-N/ holds model.safetensors (or the LoRA adapter's safetensors), optimizer.pt,
-# scheduler.pt, rng_state.pth and trainer_state.json. transformers 5 reads the .pt/.pth files with
-# torch.load(weights_only=True): tensors, plain containers and numpy's RNG state, nothing that runs code.
-# `safe_loading` makes that a rule for the whole resume, and training_args.bin (a pickled TrainingArguments,
-# which resuming never reads) is not kept.
-RUN_FILE = "run.json"  # in the partial directory: the run's owner, the config that shapes it, the eval before it
-_NOT_SHAPING = ("resume", "fresh", "output_dir", "save_steps", "save_total_limit", "logging_steps", "eval_steps",
-                "per_device_eval_batch_size")
-_NOT_SHAPING_ELSEWHERE = ("model.cache_dir", "model.offline", "model.hub")
-
-
-def partial_dir(output_dir) -> Path:
-    """`.<name>.partial` beside a stage's output (PPO's build directory has the same name): the checkpoints,
-    TensorBoard events and run.json of a run that has not finished. atomic_dir's `.tmp-<pid>` (the output being
-    assembled) goes with its process; this one stays for `<stage>.resume=true`, and goes once the output is
-    published."""
-    out = Path(output_dir)
-    return out.parent / f".{out.name}.partial"
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The highest `checkpoint-N` under `directory` that was written to the end, or None. The trainer writes
-    trainer_state.json last, so a checkpoint cut off by a kill (no readable state, or another step's) is passed
-    over."""
-    found = []
-    for path in directory.glob("checkpoint-*") if directory.is_dir() else ():
-        step = path.name.split("-", 1)[1]
-        try:
-            state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if step.isdigit() and isinstance(state, dict) and state.get("global_step") == int(step):
-            found.append((int(step), path))
-    return max(found)[1] if found else None
-
-
-def resume_unsafe_reason(device) -> str | None:
-    """Why the trainer's checkpoints cannot be resumed without pickle on `device` (then none are written), or
-    None. DeepSpeed reads its own checkpoint files with pickle; sharded FSDP state dicts go through
-    torch.distributed.checkpoint, whose metadata file is a pickle. One process, DDP and FSDP with full state
-    dicts read safetensors and torch.load(weights_only=True) files only."""
-    s = strategy(device)
-    if s == "deepspeed":
-        return "DeepSpeed reads its checkpoints with pickle"
-    if s == "fsdp" and str(device.fsdp.state_dict_type) != "FULL_STATE_DICT":
-        return ("sharded FSDP checkpoints carry pickled metadata (device.fsdp.state_dict_type=FULL_STATE_DICT "
-                "resumes)")
-    return None
-
-
-def run_config(cfg, stage: str) -> dict:
-    """The keys that shape a `stage` run, flat ({"sft.learning_rate": 0.001, "data.train_path": ...}): stored
-    with its checkpoints, compared on resume. Left out: where things are written, how often they are logged,
-    evaluated or saved, and where the model is found."""
-    from omegaconf import OmegaConf
-
-    flat: dict = {}
-
-    def walk(prefix: str, node) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(f"{prefix}.{key}", value)
-        else:
-            flat[prefix] = node
-
-    for group in (stage, "data", "model"):
-        walk(group, OmegaConf.to_container(cfg[group], resolve=True))
-    for key in ("mixed_precision", "num_processes", "num_machines"):
-        flat[f"device.{key}"] = OmegaConf.to_container(cfg.device, resolve=True).get(key)
-    flat["seed"] = cfg.seed
-    skip = {f"{stage}.{k}" for k in _NOT_SHAPING} | set(_NOT_SHAPING_ELSEWHERE)
-    return {k: v for k, v in flat.items() if k not in skip}
-
-
-@contextlib.contextmanager
-def safe_loading() -> Iterator[None]:
-    """Within the block every torch.load is weights_only=True, whatever its caller asks for
-    (TORCH_FORCE_WEIGHTS_ONLY_LOAD, which torch reads at each call): a file that needs pickle fails to load
-    instead of running code."""
-    keys = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-    saved = {k: os.environ.pop(k, None) for k in keys}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None)
-            if value is not None:
-                os.environ[key] = value
-
-
-def _no_pickled_args_class():
-    from transformers import TrainerCallback
-
-    class NoPickledArgs(TrainerCallback):
-        """Deletes training_args.bin (torch.save of the TrainingArguments object: loading it would unpickle
-        arbitrary classes) from each checkpoint; a resumed run takes its arguments from the config."""
-
-        def on_save(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
-                (Path(args.output_dir) / f"checkpoint-{state.global_step}" / "training_args.bin").unlink(
-                    missing_ok=True)
-
-    return NoPickledArgs
-
-
-class Checkpoints:
-    """The checkpoints of one sft / reward run, in its `partial_dir` (`work`), and the run it resumes.
-
-    `start` is called inside the output's atomic_dir, whose run lock covers the partial directory too. As a
-    context manager: a run that fails or is stopped before its first checkpoint leaves nothing behind; one with
-    a checkpoint keeps it for `<stage>.resume=true`."""
-
-    def __init__(self, stage: str, work: Path, resume_from: Path | None, token: str):
-        self.stage, self.work, self.resume_from, self.token = stage, work, resume_from, token
-        self.main = process_rank()[0] == 0
-
-    @property
-    def resumed_step(self) -> int | None:
-        return int(self.resume_from.name.split("-", 1)[1]) if self.resume_from is not None else None
-
-    @classmethod
-    def start(cls, cfg, stage: str) -> Checkpoints:
-        """Prepare `partial_dir(<stage>.output_dir)` and find the checkpoint to resume from.
-
-        `<stage>.resume=true`: the latest complete checkpoint, if the keys that shape the run are as they were
-        (else a one-line error naming the first changed key). Otherwise a fresh run: an interrupted run there
-        (one with a checkpoint) is refused unless `<stage>.fresh=true` deletes it; interrupted work is never
-        deleted silently. Only the main process changes files; every process finds the same checkpoint."""
-        import uuid
-
-        s = cfg[stage]
-        out = Path(s.output_dir)
-        work = partial_dir(out)
-        shape = run_config(cfg, stage)
-        resume, fresh = bool(s.resume), bool(s.fresh)
-        if resume and fresh:
-            raise RlhfError(f"{stage}.resume=true continues the interrupted run and {stage}.fresh=true deletes it; "
-                            "give one of them")
-        found = latest_checkpoint(work)
-        token = uuid.uuid4().hex
-        main = process_rank()[0] == 0
-        if resume:
-            cls._check_resume(cfg, stage, out, work, found, shape)
-            if main:
-                write_json(work / RUN_FILE, {**read_json(work / RUN_FILE), "run": token})
-            return cls(stage, work, found, token)
-        if found is not None and not fresh:
-            raise RlhfError(f"{work} holds an interrupted run ({found.name}); continue it with {stage}.resume=true, "
-                            f"or start over with {stage}.fresh=true")
-        if main:
-            if found is not None:
-                log.warning("%s.fresh=true: deleting the interrupted run in %s (up to %s) and starting over",
-                            stage, work, found.name)
-            shutil.rmtree(work, ignore_errors=True)  # a run killed before its first checkpoint, or fresh=true
-            work.mkdir(parents=True)
-            write_json(work / RUN_FILE, {"run": token, "stage": stage, "config": shape})
-        return cls(stage, work, None, token)
-
-    @staticmethod
-    def _check_resume(cfg, stage: str, out: Path, work: Path, found: Path | None, shape: dict) -> None:
-        unsafe = resume_unsafe_reason(cfg.device)
-        if unsafe:
-            raise RlhfError(f"{stage}.resume=true is not available with device.strategy={cfg.device.strategy}: "
-                            f"{unsafe}, and rlhf loads nothing with pickle; drop {stage}.resume=true")
-        if found is None:
-            if not work.exists() and (out / "metrics.json").is_file():
-                raise RlhfError(f"{stage}.resume=true: {out} is a finished run and nothing was interrupted; drop "
-                                f"{stage}.resume=true to train a new run (it replaces this one only when it "
-                                "succeeds)")
-            raise RlhfError(f"{stage}.resume=true but there is no checkpoint to resume at {work} (the run writes "
-                            f"one every {stage}.save_steps={cfg[stage].save_steps} steps); drop "
-                            f"{stage}.resume=true")
-        try:
-            stored = read_json(work / RUN_FILE)["config"]
-            if not isinstance(stored, dict):
-                raise TypeError("no mapping")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise RlhfError(f"{stage}.resume=true: {work / RUN_FILE} is missing or unreadable "
-                            f"({type(e).__name__}), so the run's settings cannot be checked; start over with "
-                            f"{stage}.fresh=true") from e
-        unset = "(unset)"
-        changed = [k for k in sorted(set(stored) | set(shape)) if stored.get(k, unset) != shape.get(k, unset)]
-        if changed:
-            k = changed[0]
-            more = f" (also changed: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})" \
-                if len(changed) > 1 else ""
-            raise RlhfError(f"{stage}.resume=true: {k} was {_show(stored.get(k, unset))} in the interrupted run and "
-                            f"is {_show(shape.get(k, unset))} now{more}; resume with the same value, or start over "
-                            f"with {stage}.fresh=true")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if kind is not None and self.main and latest_checkpoint(self.work) is None:
-            shutil.rmtree(self.work, ignore_errors=True)
-
-    def remembered(self, key: str):
-        """A value `remember`ed by the run this one resumes (None for a fresh run)."""
-        if self.resume_from is None:
-            return None
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            return read_json(self.work / RUN_FILE).get(key)
-        return None
-
-    def remember(self, **values) -> None:
-        """Keep `values` with the checkpoints, for a resumed run (main process)."""
-        if self.main:
-            write_json(self.work / RUN_FILE, {**read_json(self.work / RUN_FILE), **values})
-
-    def train(self, trainer):
-        """`trainer.train()`, from the checkpoint when resuming (weights, optimizer, scheduler, RNG and the
-        position in the data), with nothing loaded through pickle."""
-        trainer.add_callback(_no_pickled_args_class()())
-        if self.resume_from is None:
-            return trainer.train()
-        import pickle
-
-        log.info("%s: resuming from %s", self.stage, self.resume_from)
-        try:
-            with safe_loading():
-                return trainer.train(resume_from_checkpoint=str(self.resume_from))
-        except pickle.UnpicklingError as e:  # torch's own message advises weights_only=False
-            raise RlhfError(f"{self.stage}.resume=true: a file in {self.resume_from} holds pickled objects, which "
-                            f"rlhf does not load (torch.load(weights_only=True) refused it); delete "
-                            f"{self.resume_from} to resume from an earlier checkpoint, or start over with "
-                            f"{self.stage}.fresh=true") from e
-
-    def finish(self, out: Path) -> None:
-        """Move the TensorBoard events (both parts of a resumed run) into the output being assembled (main
-        process, before it is published)."""
-        tb = self.work / "tensorboard"
-        if tb.is_dir():
-            shutil.rmtree(out / "tensorboard", ignore_errors=True)
-            shutil.move(str(tb), str(out / "tensorboard"))
-
-    def drop(self) -> None:
-        """The output is published: delete the checkpoints (main process), unless another run has taken the
-        partial directory over since the lock was released."""
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            if self.main and read_json(self.work / RUN_FILE).get("run") == self.token:
-                shutil.rmtree(self.work, ignore_errors=True)
-
-
-def _show(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def resume_hint(cfg) -> str:
-    """What continues an interrupted `cfg.command`, for the line printed when it is stopped:
-    "sft.resume=true continues from checkpoint-40", "no checkpoint yet ...", or that finished outputs are
-    intact (stages without checkpoints)."""
-    command = str(cfg.command)
-    spec = stage_table.stage(command)
-    kind = spec.resume if spec is not None else None
-    if kind is None:
-        return "completed outputs are intact"
-    section = cfg[command]
-    if kind == "trainer":
-        ckpt = latest_checkpoint(partial_dir(section.output_dir))
-    else:
-        from rlhf_cli.ppo import checkpoint
-
-        directory = partial_dir(section.output_dir) / "checkpoints"
-        ckpt = checkpoint.latest(directory) if directory.is_dir() else None
-    key = spec.save_key
-    every = f"{key}={OmegaConf.select(cfg, key)}"
-    if ckpt is None:
-        return f"no checkpoint yet ({every}); completed outputs are intact"
-    return f"{command}.resume=true continues from {ckpt.name}"
 
 
 # -------------------------------------------------------------------------------------------------- console

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from rlhf_cli.ppo import checkpoint
+from rlhf_cli import resume
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.trainer import PPOTrainer
 
@@ -62,7 +62,7 @@ class console:
     def __exit__(self, kind, exc, tb) -> None:
         self.bar.close()
         if kind is KeyboardInterrupt:
-            saved = checkpoint.latest(self.trainer.work / "checkpoints")
+            saved = resume.latest(self.trainer.work / "checkpoints")
             log.error("ppo: interrupted; %s", f"`ppo.resume=true` continues from {saved}" if saved else
                       "no checkpoint was written yet (ppo.save_every), nothing to resume")
 

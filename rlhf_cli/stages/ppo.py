@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlhf_cli import accel, devices
+from rlhf_cli import accel, devices, resume
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import publish, write_json
@@ -66,10 +66,9 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     # ---- the run directory (claimed before any model loads: a second run is refused at once), models, trainer
     out = Path(p.output_dir)
     if acc.is_main_process:
-        checkpoint.work_dir(out, bool(p.resume), bool(p.fresh),
-                            inputs=[p.policy_dir, p.reward_dir, p.value_init])
+        resume.claim(out, "ppo", bool(p.resume), bool(p.fresh), inputs=[p.policy_dir, p.reward_dir, p.value_init])
     acc.wait_for_everyone()
-    work = out.parent / f".{out.name}.partial"
+    work = resume.partial_dir(out)
     paths = accel.configure(cfg, acc.device.type)
     models = build_ppo_models(cfg, tok, devices.resolve(acc.device), storage, paths, acc.num_processes)
     know_prompts(models.reward, (prompts, examples), held_out)  # a reward model with its own tokenizer needs them
@@ -87,7 +86,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
                          writer=writer, hooks=hooks, reward_functions=functions, evaluator=evaluator)
     if p.resume:
-        ckpt = checkpoint.latest(work / "checkpoints")
+        ckpt = resume.latest(work / "checkpoints")
         trainer.resume(ckpt, force=p.resume == "force")
         log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
                  trainer.progress.episodes)

@@ -1,0 +1,189 @@
+"""One save-and-resume vocabulary for every training stage (sft, reward, dpo through transformers' checkpoints,
+ppo through rlhf_cli.ppo.checkpoint): where an unfinished run lives (`partial_dir`), its latest complete
+checkpoint, the record of what shapes a run (stored with the checkpoints, compared on resume), the one line that
+names a difference, `<stage>.resume` / `<stage>.fresh` on the partial directory, and the hint printed when a run
+is stopped. The tensor state of a checkpoint (weights, optimizer, RNG, checksums) is each system's own:
+rlhf_cli.stages._checkpoints and rlhf_cli.ppo.checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from rlhf_cli import stage_table
+from rlhf_cli.errors import RlhfError
+
+log = logging.getLogger("rlhf")
+
+RUN_FILE = "run.json"  # in a trainer stage's partial directory: the run's owner, its shape, the eval before it
+# keys of `<stage>.*` that do not change what a run computes: where it writes, how often it logs, evaluates or
+# saves, and the resume switches themselves
+NOT_SHAPING = ("resume", "fresh", "output_dir", "save_steps", "save_total_limit", "logging_steps", "eval_steps",
+               "per_device_eval_batch_size")
+NOT_SHAPING_ELSEWHERE = ("model.cache_dir", "model.offline", "model.hub")
+UNSET = "(unset)"
+
+
+def partial_dir(output_dir) -> Path:
+    """`.<name>.partial` beside a stage's output: the checkpoints, TensorBoard events and run record of a run that
+    has not finished. io.atomic_dir's `.tmp-<pid>` (the output being assembled) goes with its process; this one
+    stays for `<stage>.resume=true`, and goes once the output is published."""
+    out = Path(output_dir)
+    return out.parent / f".{out.name}.partial"
+
+
+def _step(path: Path) -> int | None:
+    tail = path.name.split("-", 1)[1] if "-" in path.name else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The highest transformers `checkpoint-N` under `directory` that was written to the end, or None. The trainer
+    writes trainer_state.json last, so a checkpoint cut off by a kill (no readable state, or another step's) is
+    passed over."""
+    found = []
+    for path in directory.glob("checkpoint-*") if directory.is_dir() else ():
+        try:
+            state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        step = _step(path)
+        if step is not None and isinstance(state, dict) and state.get("global_step") == step:
+            found.append((step, path))
+    return max(found)[1] if found else None
+
+
+def latest(directory: Path) -> Path | None:
+    """The PPO checkpoint with the highest update number under `directory` (checkpoint-N: written whole, then
+    renamed into place), or None."""
+    ckpts = [c for c in directory.glob("checkpoint-*") if _step(c) is not None and c.is_dir()] \
+        if directory.is_dir() else []
+    return max(ckpts, key=_step) if ckpts else None
+
+
+# ------------------------------------------------------------------------------------------ the run's shape
+def flat(node, prefix: str, into: dict) -> dict:
+    """A nested config container as {"a.b.c": value}."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            flat(value, f"{prefix}.{key}" if prefix else str(key), into)
+    else:
+        into[prefix] = node
+    return into
+
+
+def run_config(cfg, stage: str) -> dict:
+    """The keys that shape a `stage` run, flat ({"sft.learning_rate": 0.001, "data.train_path": ...}): stored
+    with its checkpoints, compared on resume. Left out: where things are written, how often they are logged,
+    evaluated or saved, and where the model is found."""
+    from omegaconf import OmegaConf
+
+    out: dict = {}
+    for group in (stage, "data", "model"):
+        flat(OmegaConf.to_container(cfg[group], resolve=True), group, out)
+    device = OmegaConf.to_container(cfg.device, resolve=True)
+    for key in ("mixed_precision", "num_processes", "num_machines"):
+        out[f"device.{key}"] = device.get(key)
+    out["seed"] = cfg.seed
+    skip = {f"{stage}.{k}" for k in NOT_SHAPING} | set(NOT_SHAPING_ELSEWHERE)
+    return {k: v for k, v in out.items() if k not in skip}
+
+
+def show(value) -> str:
+    """A value as a difference line shows it: text as it is, anything else as JSON (null, lists)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def changed_keys(saved: dict, here: dict) -> list[str]:
+    """The keys whose value differs between two run records (a key only one of them has counts as changed)."""
+    return [k for k in sorted(set(saved) | set(here)) if saved.get(k, UNSET) != here.get(k, UNSET)]
+
+
+def also(changed: list[str], n: int = 3) -> str:
+    """" (also changed: a, b, c, ...)" for the keys after the first."""
+    if len(changed) < 2:
+        return ""
+    rest = changed[1:]
+    return f" (also changed: {', '.join(rest[:n])}{', ...' if len(rest) > n else ''})"
+
+
+# ------------------------------------------------------------------------------------- the partial directory
+def check_switches(stage: str, resume, fresh) -> None:
+    if resume and fresh:
+        raise RlhfError(f"{stage}.resume=true continues the interrupted run and {stage}.fresh=true deletes it; "
+                        "give one of them")
+
+
+def refuse_interrupted(stage: str, work: Path, found: Path | None, fresh: bool) -> None:
+    """A fresh run into `work`: an interrupted run there (one with checkpoint `found`) is refused unless
+    `<stage>.fresh=true`, which deletes it, with a warning: interrupted work is never deleted silently."""
+    if found is not None and not fresh:
+        raise RlhfError(f"{work} holds an interrupted run ({found.name}); continue it with {stage}.resume=true, "
+                        f"or start over with {stage}.fresh=true")
+
+
+def start_over(stage: str, work: Path, found: Path | None) -> None:
+    """Empty `work` for a new run (what `refuse_interrupted` let through)."""
+    if found is not None:
+        log.warning("%s.fresh=true: deleting the interrupted run in %s (up to %s) and starting over", stage, work,
+                    found.name)
+    shutil.rmtree(work, ignore_errors=True)  # a run killed before its first checkpoint, or fresh=true
+    work.mkdir(parents=True)
+
+
+def finished_refusal(stage: str, out: Path, detail: str = "") -> RlhfError:
+    return RlhfError(f"{stage}.resume=true: {out} is a finished run{detail} and nothing was interrupted; drop "
+                     f"{stage}.resume=true to train a new run (it replaces this one only when it succeeds)")
+
+
+def claim(out: Path, stage: str, resume: bool, fresh: bool = False, inputs=()) -> Path:
+    """The partial directory a PPO run is built in (and published from when it succeeds), claimed for this run:
+    the run lock of `out` (io.claim_output) covers it until `publish`, so a second run into `out` is refused at
+    once, naming this one. `inputs`: the directories the run reads (never its output).
+
+    resume=True continues the partial run from its latest checkpoint; a finished run is not resumed. Without it
+    an interrupted run is refused unless fresh=True (`refuse_interrupted`). A refusal changes nothing."""
+    from rlhf_cli.io import check_output_dir, claim_output, release_output
+
+    check_switches(stage, resume, fresh)
+    work = partial_dir(out)
+    check_output_dir(out, stage, inputs)
+    claim_output(out, stage)
+    try:
+        ckpt = latest(work / "checkpoints")
+        if resume:
+            if ckpt is not None:
+                return work
+            if (out / "metrics.json").exists():
+                done = json.loads((out / "metrics.json").read_text(encoding="utf-8")).get("total_episodes")
+                raise finished_refusal(stage, out, f" ({done} episodes)")
+            raise RlhfError(f"{stage}.resume=true but there is no interrupted run to resume at {work}; drop "
+                            "resume=true")
+        refuse_interrupted(stage, work, ckpt, fresh)
+        start_over(stage, work, ckpt)
+    except BaseException:
+        release_output(out)
+        raise
+    return work
+
+
+# ------------------------------------------------------------------------------------------------- hints
+def resume_hint(cfg) -> str:
+    """What continues an interrupted `cfg.command`, for the line printed when it is stopped:
+    "sft.resume=true continues from checkpoint-40", "no checkpoint yet ...", or that finished outputs are
+    intact (stages without checkpoints)."""
+    from omegaconf import OmegaConf
+
+    command = str(cfg.command)
+    spec = stage_table.stage(command)
+    kind = spec.resume if spec is not None else None
+    if kind is None:
+        return "completed outputs are intact"
+    work = partial_dir(cfg[command].output_dir)
+    ckpt = latest_checkpoint(work) if kind == "trainer" else latest(work / "checkpoints")
+    if ckpt is None:
+        return f"no checkpoint yet ({spec.save_key}={OmegaConf.select(cfg, spec.save_key)}); completed outputs are " \
+               "intact"
+    return f"{command}.resume=true continues from {ckpt.name}"
