@@ -168,3 +168,99 @@ def test_copy_made_a_link_after_the_check_is_still_not_followed(tmp_path, monkey
     with pytest.raises(RlhfError, match=r"recipes/late.yaml exists \(or is a link\)"):
         config.copy_recipe("tiny", "late")
     assert not elsewhere.exists()
+
+
+# ------------------------------------------------------------------------------------------------- chat
+def test_chat_quits_on_exit_says_reset_and_shows_its_load_time(run_cli, base):
+    rc, out, err = run_cli("chat", f"chat.model_dir={base}", "chat.max_new_tokens=4",
+                           stdin="hello\n/reset\nagain\nQuit\nnever answered\n")
+    assert rc == 0, err
+    assert out.count("\n") == 2  # hello, again; nothing after quit
+    assert err.count(f"loaded {base} in ") == 1 and " s\n" in err, err
+    assert "history cleared" in err
+
+
+@pytest.mark.parametrize("word", ["exit", "quit", "/exit", "/quit", " EXIT "])
+def test_chat_quit_words(word, base, tok, monkeypatch, capsys):
+    import io
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.stages import chat
+
+    model = load_causal_lm(base, torch.float32).eval()
+    for name, value in (("setup_torch", lambda cfg: None), ("load_policy", lambda *a, **k: model),
+                        ("load_tokenizer", lambda *a, **k: tok),
+                        ("resolve_precision", lambda cfg: (torch.float32, None))):
+        monkeypatch.setattr(chat, name, value)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hello\n{word}\nnever answered\n"))
+    cfg = OmegaConf.create({"chat": {"model_dir": str(base), "prompt": None, "system_prompt": None,
+                                     "max_new_tokens": 2, "do_sample": False, "temperature": 1.0, "top_k": 0,
+                                     "top_p": 1.0},
+                            "ppo": {"policy_dir": "/nonexistent"}, "model": {"enable_thinking": False},
+                            "device": {"accelerator": "cpu"}})
+    chat.run(cfg)
+    assert capsys.readouterr().out.count("\n") == 1  # one reply (hello); the chat ended at the word
+
+
+def test_chat_refuses_a_huge_paste_whatever_max_new_tokens(run_cli, base):
+    """max_new_tokens beyond the model's positions used to skip the length check, and a long paste ran for
+    minutes; now the prompt keeps at least half the positions and the rest is the answer's."""
+    rc, out, err = run_cli("chat", f"chat.model_dir={base}", "chat.max_new_tokens=100000",
+                           stdin="hello " * 50_000 + "\n", timeout=300)
+    assert_one_line_error((rc, out, err), "chat", "the message is", "at most 256 before a 256-token answer",
+                          "chat.max_new_tokens=100000")
+
+
+def test_chat_answer_budget_by_hand(base, tok):
+    """The answer gets min(max_new_tokens, positions - prompt) tokens; a prompt may fill half the positions."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.errors import RlhfError
+    from rlhf_cli.models import load_causal_lm
+    from rlhf_cli.stages import chat
+
+    model = load_causal_lm(base, torch.float32).eval()
+    positions = model.config.max_position_embeddings
+    c = OmegaConf.create({"max_new_tokens": 10 * positions, "do_sample": False, "temperature": 1.0, "top_k": 0,
+                          "top_p": 1.0})
+    seen = {}
+    real = model.generate
+    model.generate = lambda **kw: seen.update(kw) or real(**kw)
+    chat.answer(model, tok, [{"role": "user", "content": "hello"}], c)
+    n = seen["input_ids"].shape[1]
+    assert seen["generation_config"].max_new_tokens == positions - n
+    with pytest.raises(RlhfError, match=rf"at most {positions - positions // 2} before a {positions // 2}-token"):
+        chat.answer(model, tok, [{"role": "user", "content": "hello " * positions}], c)
+
+
+def test_sigterm_ends_chat_at_once(base, tmp_path):
+    """A chat waiting for its next line ends on SIGTERM with exit 143 and one line (a real process: signals)."""
+    import signal
+    import time
+
+    from clitools import RLHF, cli_env
+
+    exe = [str(RLHF)] if RLHF.exists() else [sys.executable, "-m", "rlhf_cli.cli"]
+    proc = subprocess.Popen([*exe, "chat", f"chat.model_dir={base}", "chat.max_new_tokens=4"], cwd=tmp_path,
+                            env=cli_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stderr.readline().startswith("loaded ")
+        proc.stdin.write("hello\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip()  # the first answer: the chat is waiting for the next line now
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        line = proc.stderr.readline()
+        said = time.monotonic() - sent
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert rc == 143
+    assert line == "rlhf chat: error: terminated (SIGTERM); completed outputs are intact\n"
+    assert said < 5, said  # the line at once (the interpreter's own teardown of torch follows it)
+    assert not proc.stderr.read().strip()

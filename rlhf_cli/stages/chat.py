@@ -1,10 +1,11 @@
-"""`rlhf chat`: a conversation from stdin (each answer sees the turns before it; `/reset` starts over), or
-`prompt="..."` once, with the newest trained policy (the PPO output if there is one, else the DPO output, else the
+"""`rlhf chat`: a conversation from stdin (each answer sees the turns before it; `/reset` starts over; `exit`,
+`quit`, `/exit` or `/quit` ends it), or `prompt="..."` once, with the newest trained policy (the PPO output if there is one, else the DPO output, else the
 SFT model) or `chat.model_dir` (an adapter, PPO's or DPO's, is merged on load)."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
 
 RESET = "/reset"
+QUIT = ("exit", "quit", "/exit", "/quit")
 
 
 def newest_policy(cfg) -> Path:
@@ -35,20 +37,25 @@ def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -
     conversation and the reply would not fit the model's positions; a last message alone too long is an error."""
     from transformers import GenerationConfig
 
-    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) - int(c.max_new_tokens)
+    positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    # an answer budget as long as the model's positions would leave the prompt none (and skip the check): the
+    # prompt keeps at least half of them, and the answer gets what is left
+    reserve = min(int(c.max_new_tokens), positions // 2)
+    limit = positions - reserve
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = messages[len(system):]
     while True:
         text = prompt_text(tok, [*system, *turns], enable_thinking)
         enc = tok(text, return_tensors="pt", add_special_tokens=False).to(model.device)
         n = enc["input_ids"].shape[1]
-        if limit <= 0 or n <= limit:
+        if positions <= 0 or n <= limit:
             break
         if len(turns) <= 1:
             raise RlhfError(f"the message is {n} tokens with the chat template; this model reads at most {limit} "
-                            f"before a {c.max_new_tokens}-token answer (chat.max_new_tokens): shorten it")
+                            f"before a {reserve}-token answer (chat.max_new_tokens={c.max_new_tokens}): shorten it")
         turns = turns[2:] if len(turns) > 2 else turns[-1:]  # the oldest question and its answer
-    gen = GenerationConfig(max_new_tokens=int(c.max_new_tokens), do_sample=bool(c.do_sample),
+    budget = int(c.max_new_tokens) if positions <= 0 else min(int(c.max_new_tokens), positions - n)
+    gen = GenerationConfig(max_new_tokens=budget, do_sample=bool(c.do_sample),
                            temperature=float(c.temperature), top_k=int(c.top_k), top_p=float(c.top_p),
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     with torch.no_grad():
@@ -61,8 +68,10 @@ def run(cfg) -> None:
     c = cfg.chat
     path = newest_policy(cfg)
     device = devices.of_accelerator(cfg.device.accelerator)
+    start = time.perf_counter()
     model = load_policy(path, resolve_precision(cfg)[0], cfg.model, base_dir=cfg.ppo.policy_dir, merge=True)
     model, tok = model.to(device).eval(), load_tokenizer(path, cfg.model)
+    print(f"loaded {path} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
     thinking = bool(cfg.model.enable_thinking)
     if c.prompt is not None:
@@ -70,7 +79,7 @@ def run(cfg) -> None:
         return
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"chatting with {path} (empty line or Ctrl-D to quit, {RESET} to start a new conversation)")
+        print(f"chatting with {path} (exit, an empty line or Ctrl-D to quit, {RESET} to start a new conversation)")
     history: list[dict] = []
     while True:
         if interactive:
@@ -79,8 +88,11 @@ def run(cfg) -> None:
         if not line or (interactive and not line.strip()):
             break
         text = line.strip()
+        if text.lower() in QUIT:
+            break
         if text == RESET:
             history = []
+            print("history cleared: a new conversation starts", file=sys.stderr, flush=True)
         elif text:
             turn = {"role": "user", "content": text}
             try:
