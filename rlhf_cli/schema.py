@@ -312,6 +312,8 @@ SCHEMA: dict[str, Rule] = {
     "eval.policies": Rule("mapping"),
     "eval.reward_dir": text(null=True, help="null: no reward-model scores (a run rewarded by functions alone)"),
     "eval.num_prompts": count(),
+    "eval.samples_per_prompt": count(help="responses sampled per held-out prompt: pass@1 and pass@k (k = this) "
+                                     "where data.ground_truth checks them; also ppo.eval_every's eval/*"),
     "eval.batch_size": count(),
     "eval.response_length": count(),
     "eval.temperature": number(gt=0),

@@ -66,7 +66,8 @@ def test_keep_best_reads_a_metric_and_its_direction():
     assert "eval/rm_score" not in no_rm and "eval/rm_gt_disagreement" not in no_rm
     with pytest.raises(RlhfError, match=r"no eval/rm_score; use one of eval/ground_truth_rate, eval/kl"):
         keep_best_metric("eval/rm_score", 5, no_rm)
-    assert metric_names(False, False) == ("eval/kl", "eval/length_mean", "eval/eos_rate", "eval/empty_rate")
+    assert metric_names(False, False) == ("eval/kl", "eval/length_mean", "eval/eos_rate", "eval/empty_rate",
+                                          "eval/truncation_rate")
     assert evaluation.is_better(0.5, None, 1.0) and not evaluation.is_better(float("nan"), None, 1.0)
     assert not evaluation.is_better(0.5, {"value": 0.5}, 1.0)  # a tie keeps the earlier update
     assert evaluation.is_better(0.4, {"value": 0.5}, -1.0)

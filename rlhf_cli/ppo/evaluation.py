@@ -2,7 +2,9 @@
 
     sample_and_score   responses to held-out prompts through PPO's own sampling path (`make_experience`), with
                        each one's reward-model score and KL to the reference (k1 summed over the response)
-    summarise          one policy's row: the means, the ground-truth rate, the RM / ground-truth disagreement
+    summarise          one policy's row: the means, the ground-truth rate, pass@1 / pass@k / mean@k over the
+                       samples of each prompt, the truncation rate, the RM / ground-truth disagreement
+    pass_at_k          the unbiased pass@k estimator
     Evaluator          what the trainer calls every `ppo.eval_every` updates: the two above as `eval/*` metrics
     keep_best_metric   `ppo.keep_best` read and checked; `write_best` puts the best update's adapter in best/
 
@@ -28,7 +30,10 @@ from rlhf_cli.ppo.rewards import GroundTruth
 # TensorBoard tag -> the key of `summarise`'s row it shows
 EVAL_TAGS = {"eval/ground_truth_rate": "ground_truth_rate", "eval/rm_score": "rm_score_mean",
              "eval/kl": "kl_to_ref_mean", "eval/length_mean": "response_length_mean", "eval/eos_rate": "eos_rate",
-             "eval/empty_rate": "empty_rate", "eval/rm_gt_disagreement": "rm_gt_disagreement"}
+             "eval/empty_rate": "empty_rate", "eval/truncation_rate": "truncation_rate",
+             "eval/rm_gt_disagreement": "rm_gt_disagreement", "eval/pass_at_1": "pass_at_1",
+             "eval/pass_at_k": "pass_at_k", "eval/mean_at_k": "mean_at_k"}
+GT_TAGS = ("eval/ground_truth_rate", "eval/pass_at_1", "eval/pass_at_k", "eval/mean_at_k")  # need a checker
 BEST_FILE = "best.json"  # in best/: the update kept, its metric and value
 
 
@@ -58,15 +63,47 @@ def mean(xs) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
-def summarise(s: dict) -> dict:
-    """One policy's row. With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5):
-    its mean, the RM score on passing and failing responses, and how often the RM and the checker disagree."""
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt from n samples of which c pass: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code"), computed as 1 - prod_{i=n-c+1..n} (1 - k/i), which
+    never forms a binomial coefficient (no overflow for large n)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:  # every choice of k samples holds a passing one
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def per_prompt(values: list, k: int) -> list[list]:
+    """The per-response `values` grouped by prompt: each prompt's k samples are consecutive."""
+    if k < 1 or len(values) % k:
+        raise ValueError(f"{len(values)} responses are not a whole number of groups of {k} samples per prompt")
+    return [values[i: i + k] for i in range(0, len(values), k)]
+
+
+def verifiable(ground_truth: list[float], k: int) -> dict:
+    """pass@1 and pass@k (a sample passes at a checker value >= 0.5) and mean@k (the mean checker value, partial
+    credit kept), each averaged over prompts; `ground_truth` holds k consecutive samples per prompt."""
+    groups = per_prompt([float(x) for x in ground_truth], k)
+    passed = [sum(x >= 0.5 for x in g) for g in groups]
+    return {"pass_at_1": mean([pass_at_k(k, c, 1) for c in passed]),
+            "pass_at_k": mean([pass_at_k(k, c, k) for c in passed]),
+            "mean_at_k": mean([mean(g) for g in groups])}
+
+
+def summarise(s: dict, samples_per_prompt: int = 1) -> dict:
+    """One policy's row. The truncation rate: the share of responses cut at the response cap (no stop token).
+    With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5): its mean, pass@1,
+    pass@k and mean@k over the `samples_per_prompt` consecutive responses of each prompt, the RM score on passing
+    and failing responses, and how often the RM and the checker disagree."""
     scored = all(r is not None for r in s["rm_score"])
     row = {"rm_score_mean": mean(s["rm_score"]) if scored else None, "kl_to_ref_mean": mean(s["kl"]),
            "response_length_mean": mean(s["length"]), "eos_rate": mean([float(x) for x in s["eos"]]),
+           "truncation_rate": mean([float(not x) for x in s["eos"]]),
            "empty_rate": mean([float(x) for x in s["empty"]]), "ground_truth_rate": None}
     if s.get("ground_truth") is not None:
         row["ground_truth_rate"] = mean([float(x) for x in s["ground_truth"]])
+        row.update(verifiable(s["ground_truth"], samples_per_prompt))
         if not scored:
             return row
         ok = [x >= 0.5 for x in s["ground_truth"]]
@@ -85,7 +122,7 @@ def metric_names(reward_model: bool, ground_truth: bool) -> tuple[str, ...]:
     checker, their disagreement with both."""
     skip = set() if reward_model else {"eval/rm_score", "eval/rm_gt_disagreement"}
     if not ground_truth:
-        skip |= {"eval/ground_truth_rate", "eval/rm_gt_disagreement"}
+        skip |= {*GT_TAGS, "eval/rm_gt_disagreement"}
     return tuple(t for t in EVAL_TAGS if t not in skip)
 
 
@@ -116,26 +153,29 @@ class Evaluator:
     seed: int
     rows: list[dict] | None = None  # each prompt's data row fields (for the checker)
     ground_truth: GroundTruth | None = None  # the data's checker (data.ground_truth)
+    samples_per_prompt: int = 1  # responses per prompt (eval.samples_per_prompt): pass@k's k
 
     def __call__(self, trainer) -> dict[str, float]:
         # Every process samples its shard of the prompts and the per-response values are gathered: the means are
         # exact whatever the shard sizes, every process gets the same numbers (so all agree on which update is
         # best without a broadcast), and the evaluation takes 1/N of the time instead of idling N-1 processes.
         rank, world, device = trainer.rank, trainer.world, trainer.device
-        prompts = self.prompts[rank::world]
+        k = self.samples_per_prompt
+        prompts = [p for p in self.prompts[rank::world] for _ in range(k)]  # whole groups on every process
+        rows = [r for r in self.rows[rank::world] for _ in range(k)] if self.rows else None
         gpu = devices.rng_index(device)
         with torch.random.fork_rng(devices=[gpu] if gpu is not None else []):
             s = sample_and_score(trainer.unwrapped, trainer.ref, trainer.reward, trainer.tok, prompts, self.sampling,
                                  device, self.seed, trainer.autocast)
         if self.ground_truth is not None:
-            s["ground_truth"] = self.ground_truth(s["texts"], prompts, self.rows[rank::world] if self.rows else None)
+            s["ground_truth"] = self.ground_truth(s["texts"], prompts, rows)
         if world > 1:
             import torch.distributed as dist
 
             parts = [None] * world
             dist.all_gather_object(parts, s)
             s = {k: [x for p in parts for x in p[k]] for k in s}
-        row = summarise(s)
+        row = summarise(s, k)
         return {tag: float(row[key]) for tag, key in EVAL_TAGS.items() if row.get(key) is not None}
 
 

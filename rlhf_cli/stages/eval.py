@@ -2,10 +2,12 @@
 
 For each policy: mean reward-model score (none with `eval.reward_dir=null`), mean KL to the reference (the
 SFT policy: k1 summed over the response, on the policy's own samples), response length, EOS and empty rates,
-and the ground-truth rate where the data defines a checker (`data.ground_truth`: `demo_polite`, or any
-`module:function` returning a bool or a number in [0, 1]). Across policies: the RM win rate of PPO over SFT on
-the same prompts, and where the RM and the ground truth disagree (reward hacking shows up there first). Without
-a reward model (a run rewarded by functions alone) the report has everything else.
+the truncation rate (responses cut at the cap `eval.response_length`, no stop token) and the ground-truth rate
+where the data defines a checker (`data.ground_truth`: `demo_polite`, or any `module:function` returning a bool
+or a number in [0, 1]); with a checker also pass@1, pass@k and mean@k over `eval.samples_per_prompt` (k)
+responses per prompt (verifiable tasks: compare them at the same cap). Across policies: the RM win rate of PPO
+over SFT on the same prompts, and where the RM and the ground truth disagree (reward hacking shows up there
+first). Without a reward model (a run rewarded by functions alone) the report has everything else.
 
 Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
 ground-truth verdict) and training_curves.png (from the PPO TensorBoard events). What one policy is measured
@@ -80,13 +82,18 @@ def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training") -> bool:
 
 def markdown(report: dict) -> str:
     pols = report["policies"]
-    keys = ["rm_score_mean", "ground_truth_rate", "kl_to_ref_mean", "response_length_mean", "eos_rate",
-            "empty_rate", "rm_score_mean_on_gt_fail", "rm_gt_disagreement"]
+    n = report.get("samples_per_prompt", 1)
+    label = {"pass_at_1": "pass@1", "pass_at_k": f"pass@{n}", "mean_at_k": f"mean@{n}"}
+    keys = ["rm_score_mean", "ground_truth_rate", "pass_at_1", "pass_at_k", "mean_at_k", "kl_to_ref_mean",
+            "response_length_mean", "eos_rate", "truncation_rate", "empty_rate", "rm_score_mean_on_gt_fail",
+            "rm_gt_disagreement"]
     keys = [k for k in keys if any(pols[p].get(k) is not None for p in pols)]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [f"# rlhf eval: {report['num_prompts']} held-out prompts", "",
+             f"{n} response(s) per prompt, at most {report.get('response_cap')} tokens each (the response cap; "
+             "truncation_rate: the share cut there without a stop token)", "",
              "| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
-    lines += [f"| {k} | " + " | ".join(fmt(pols[p].get(k)) for p in pols) + " |" for k in keys]
+    lines += [f"| {label.get(k, k)} | " + " | ".join(fmt(pols[p].get(k)) for p in pols) + " |" for k in keys]
     lines += [""] + [f"- win rate {k.replace('_vs_', ' over ')} (reward model): **{v:.3f}**"
                      for k, v in report["win_rate"].items()]
     if report.get("ground_truth"):
@@ -125,7 +132,10 @@ def run(cfg) -> None:
     tok = load_tokenizer(ref_dir, cfg.model)
     rm_tok = own_tokenizer(reward_dir, tok, cfg) if reward_dir is not None else None
     prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
-    gt, rows = _sampling.ground_truth(cfg, evals), _sampling.rows(evals)
+    gt = _sampling.ground_truth(cfg, evals)
+    k = int(e.samples_per_prompt)  # each prompt's k samples are consecutive (evaluation.per_prompt)
+    prompts, evals = [p for p in prompts for _ in range(k)], [x for x in evals for _ in range(k)]
+    rows = _sampling.rows(evals)
 
     rm = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok) if reward_dir is not None else None
     know_prompts(rm, (prompts, evals))
@@ -145,9 +155,9 @@ def run(cfg) -> None:
         log.info("eval: %s done", name)
     bar.close()
 
-    report = {"num_prompts": len(prompts), "reward_dir": str(reward_dir) if reward_dir else None,
-              "reference": str(ref_dir),
-              "policies": {n: summarise(s) for n, s in results.items()}, "win_rate": {}, "samples": {}}
+    report = {"num_prompts": len(prompts) // k, "samples_per_prompt": k, "response_cap": int(e.response_length),
+              "reward_dir": str(reward_dir) if reward_dir else None, "reference": str(ref_dir),
+              "policies": {n: summarise(s, k) for n, s in results.items()}, "win_rate": {}, "samples": {}}
     if gt is not None:
         report["ground_truth"] = gt.spec
     names = list(results) if rm is not None else []  # win rates compare reward-model scores
@@ -157,7 +167,7 @@ def run(cfg) -> None:
                 report["win_rate"][f"{a}_vs_{b}"] = win_rate(results[a]["rm_score"], results[b]["rm_score"])
     for n, s in results.items():
         report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],
-                                 "rm_score": s["rm_score"][i]} for i in range(min(6, len(prompts)))]
+                                 "rm_score": s["rm_score"][i]} for i in range(0, min(6 * k, len(prompts)), k)]
     ppo_dir = Path(cfg.ppo.output_dir)
     with atomic_dir(e.output_dir, "eval", inputs) as out:
         write_report(out, report, results, evals, gt, ppo_dir, str(cfg.ppo.advantage))
@@ -185,11 +195,15 @@ def write_report(out: Path, report: dict, results: dict, evals, gt, ppo_dir: Pat
 
 def print_summary(report: dict, greedy: bool, out_dir) -> None:
     """One line per policy, the win rates, and where the report is."""
+    k = report["samples_per_prompt"]
     for n, row in report["policies"].items():
         gt_s = f", ground truth {row['ground_truth_rate']:.3f}" if row["ground_truth_rate"] is not None else ""
+        if row.get("pass_at_1") is not None:
+            gt_s += f", pass@1 {row['pass_at_1']:.3f}" + (f", pass@{k} {row['pass_at_k']:.3f}" if k > 1 else "")
         rm_s = f"RM {row['rm_score_mean']:+.3f}" if row["rm_score_mean"] is not None else "no RM"
         print(f"{n:>6}: {rm_s}{gt_s}, KL {row['kl_to_ref_mean']:.2f}, "
-              f"length {row['response_length_mean']:.1f}, EOS {row['eos_rate']:.2f}, empty {row['empty_rate']:.2f}")
+              f"length {row['response_length_mean']:.1f}, EOS {row['eos_rate']:.2f}, empty {row['empty_rate']:.2f}, "
+              f"truncated {row['truncation_rate']:.2f} (cap {report['response_cap']})")
     for k, v in report["win_rate"].items():
         print(f"win rate {k}: {v:.3f}")
     if greedy:

@@ -80,7 +80,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     if held_out is not None:
         evaluator = evaluation.Evaluator(
             held_out[0], _sampling.sampling(cfg, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
-            int(cfg.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(cfg, held_out[1]))
+            int(cfg.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(cfg, held_out[1]),
+            int(cfg.eval.samples_per_prompt))
     writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)  # TensorBoard, and wandb if asked
     stream = PromptStream(prompts, int(cfg.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
