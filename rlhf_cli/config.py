@@ -41,13 +41,17 @@ log = logging.getLogger("rlhf")
 def register_resolvers() -> None:
     """`${pkg:demo/data/x.jsonl}` -> an absolute path inside the installed package; `${demo_only:...}` (below);
     `${job_dir_name:N,OVERRIDES}` -> the directory name of multirun job N (conf/config.yaml,
-    hydra.sweep.subdir)."""
+    hydra.sweep.subdir); `${run_name:RECIPE,TRAIN_PATH}` -> run_dir's name (rlhf_cli.own_data.run_name)."""
     if not OmegaConf.has_resolver("pkg"):
         OmegaConf.register_new_resolver("pkg", lambda rel: str(PACKAGE_DIR / rel))
     if not OmegaConf.has_resolver("job_dir_name"):
         OmegaConf.register_new_resolver("job_dir_name", job_dir_name)
     if not OmegaConf.has_resolver("demo_only"):
         OmegaConf.register_new_resolver("demo_only", demo_only)
+    if not OmegaConf.has_resolver("run_name"):
+        from rlhf_cli.own_data import run_name
+
+        OmegaConf.register_new_resolver("run_name", run_name)
 
 
 DEMO_TRAIN = "demo/data/polite_train.jsonl"

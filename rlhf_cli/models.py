@@ -129,8 +129,10 @@ def _warn_once(key: str, msg: str) -> None:
 
 # -------------------------------------------------------------------------------------------------- sources
 def base_model_dir(cfg) -> Path:
-    """The base model directory: the embedded tiny model (built on first use), a local dir, or a hub id."""
+    """The base model directory: the embedded tiny model (built on first use; its tokenizer trained on the user's
+    data file where one is given, else on the demo's), a local dir, or a hub id."""
     from rlhf_cli import tiny
+    from rlhf_cli.own_data import tokenizer_texts
 
     m = cfg.model
     if tiny.is_tiny_spec(str(m.name_or_path)):
@@ -140,7 +142,8 @@ def base_model_dir(cfg) -> Path:
                                     num_hidden_layers=int(t.num_hidden_layers),
                                     num_attention_heads=int(t.num_attention_heads),
                                     num_key_value_heads=int(t.num_key_value_heads), head_dim=int(t.head_dim),
-                                    embedding_rows=int(t.embedding_rows) if t.get("embedding_rows") else None)
+                                    embedding_rows=int(t.embedding_rows) if t.get("embedding_rows") else None,
+                                    texts=tokenizer_texts(cfg.data) if cfg.get("data") is not None else None)
     return resolve_model_source(str(m.name_or_path), hub=m.hub, revision=m.revision, cache_dir=m.cache_dir,
                                 offline=bool(m.offline))
 

@@ -1,6 +1,7 @@
 """The zero-download default base model (``model.name_or_path: tiny``).
 
-A byte-level BPE tokenizer is trained locally on the shipped demo training data and paired with a
+A byte-level BPE tokenizer is trained locally on the shipped demo training data (or on a user's data: see
+rlhf_cli.own_data) and paired with a
 randomly initialised two-layer Qwen3 model (about half a million parameters). Everything is built
 deterministically from a seed and cached in a directory, so the whole pipeline runs offline and quickly on
 a CPU.
@@ -131,6 +132,13 @@ def _file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _texts_sha256(texts: list[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
 def _read_marker(out_dir: Path) -> dict | None:
     try:
         return json.loads((out_dir / MARKER_FILE).read_text(encoding="utf-8"))
@@ -170,12 +178,16 @@ def build_tiny_base(
     head_dim: int = 32,
     max_position_embeddings: int = 512,
     embedding_rows: int | None = None,
+    texts: list[str] | None = None,
 ) -> Path:
     """Build (or reuse) the tiny base model + tokenizer in ``out_dir`` and return its path.
 
     ``embedding_rows``: the model's vocabulary rows (None: the tokenizer's size). More rows than tokens give the
     shape of real checkpoints (Qwen3: 151,936 rows for 151,669 tokens), e.g. the Qwen3-0.6B architecture with
     random weights for checks that need no download.
+
+    ``texts``: what the tokenizer is trained on (None: the shipped demo's training file), e.g. a user's data
+    (rlhf_cli.own_data.tokenizer_texts); the marker then records their hash instead of the demo file's.
 
     A ``tiny_base.json`` marker records the build arguments and the training data's hash. If ``out_dir``
     already holds a build with the same marker it is returned untouched; otherwise it is rebuilt in a
@@ -201,8 +213,10 @@ def build_tiny_base(
         "num_key_value_heads": num_key_value_heads,
         "head_dim": head_dim,
         "max_position_embeddings": max_position_embeddings,
-        "train_data_sha256": _file_sha256(TRAIN_FILE),
+        "train_data_sha256": _file_sha256(TRAIN_FILE) if texts is None else _texts_sha256(texts),
     }
+    if texts is not None:  # only then: the demo's build keeps its marker (and its cache)
+        marker["train_data"] = "texts"
     if embedding_rows is not None:  # only when set: earlier builds keep their marker (and their cache)
         marker["embedding_rows"] = int(embedding_rows)
     if _read_marker(out_dir) == marker:
@@ -218,7 +232,7 @@ def build_tiny_base(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        _build_into(tmp_dir, marker, TRAIN_FILE)
+        _build_into(tmp_dir, marker, _demo_texts(TRAIN_FILE) if texts is None else texts)
         _move_into_place(tmp_dir, out_dir, marker)
     finally:
         if tmp_dir.exists():
@@ -226,12 +240,12 @@ def build_tiny_base(
     return out_dir
 
 
-def _build_into(tmp_dir: Path, marker: dict, train_file: Path) -> None:
+def _build_into(tmp_dir: Path, marker: dict, texts: list[str]) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     with _quiet():
-        tok = train_tokenizer(_demo_texts(train_file), vocab_size=marker["vocab_size"])
+        tok = train_tokenizer(texts, vocab_size=marker["vocab_size"])
         ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
         rows = marker.get("embedding_rows") or len(tok)
         if rows < len(tok):

@@ -29,6 +29,7 @@ import torch
 from rlhf_cli import devices
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.gpu_memory import PhasePeaks
+from rlhf_cli.learned import rm_gt_disagreement
 from rlhf_cli.ppo import checkpoint, core, evaluation, rewards, shard
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
@@ -457,6 +458,10 @@ class PPOTrainer:
         if self.ground_truth is not None:
             gt = self.ground_truth(exp.texts, exp.prompts, exp.rows)
             m["objective/ground_truth_rate"] = gm(torch.tensor(gt, dtype=torch.float32, device=self.device))
+            if exp.rm_scores is not None:  # how often the RM and the checker disagree (rlhf_cli.learned)
+                mid = self.score_stats["mean"] if self.score_stats else float(exp.rm_scores.mean())
+                m["objective/rm_gt_disagreement"] = gm(torch.tensor(
+                    rm_gt_disagreement(exp.rm_scores.tolist(), gt, mid), device=self.device))
         return {k: float(v) for k, v in m.items()}
 
     def log(self, exp: Experience, metrics: dict[str, float]) -> None:

@@ -22,6 +22,7 @@ from rlhf_cli import accel, devices, resume
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import publish, write_json
+from rlhf_cli.learned import earlier_stage_warnings, watch_gaming
 from rlhf_cli.models import check_vocab, load_tokenizer, merge_lora, resolve_precision, setup_torch
 from rlhf_cli.ppo import checkpoint, evaluation, shard
 from rlhf_cli.ppo.build import build_ppo_models
@@ -98,6 +99,11 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
                  f"; the best update by {c.keep_best} kept in {out / 'best'}" if c.keep_best else "")
         if acc.is_main_process:
             show_evaluations(trainer)
+
+    if acc.is_main_process:  # before the first update: what SFT and the reward stage did not learn, then gaming
+        for warning in earlier_stage_warnings(p.policy_dir, p.reward_dir if c.uses_reward_model else None):
+            log.warning(warning)
+        watch_gaming(trainer)
 
     # ---- train, with a progress bar and a line per update
     t_start = time.perf_counter()

@@ -23,6 +23,7 @@ import torch
 from rlhf_cli import devices, gpu_memory
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, write_json
+from rlhf_cli.learned import reward_warning
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, resolve_precision, setup_torch
 from rlhf_cli.stages._common import (
     Checkpoints,
@@ -126,3 +127,6 @@ def run(cfg) -> None:
            if acc is not None and not math.isnan(acc) else "reward: no eval split")
     log.info("%s; %d steps in %.1f s; wrote %s", msg, step, seconds, r.output_dir)
     print(msg)
+    warning = reward_warning({"eval_accuracy": acc})
+    if warning:
+        log.warning(warning)

@@ -18,6 +18,7 @@ import torch
 from rlhf_cli import data as D
 from rlhf_cli import gpu_memory
 from rlhf_cli.io import atomic_dir, write_json
+from rlhf_cli.learned import answer_check, sft_warning
 from rlhf_cli.models import (
     base_model_dir,
     load_causal_lm,
@@ -26,6 +27,7 @@ from rlhf_cli.models import (
     merge_lora,
     setup_torch,
 )
+from rlhf_cli.own_data import sft_floor, steps_per_epoch
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
@@ -81,8 +83,9 @@ def build_trainer(cfg, work: Path):
     lora = bool(s.lora.enabled)
     dtype, precision = training_precision(cfg, adapters=lora)
     model = load_causal_lm(base, dtype, cfg.model)
-    args = SFTConfig(**trainer_kwargs(s, cfg, work, precision, len(train_rows)),
-                     completion_only_loss=True, packing=False, dataset_num_proc=None)
+    kw = trainer_kwargs(s, cfg, work, precision, len(train_rows))
+    kw["num_train_epochs"] = sft_floor(cfg, steps_per_epoch(len(train_rows), kw)) or kw["num_train_epochs"]
+    args = SFTConfig(**kw, completion_only_loss=True, packing=False, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
                          processing_class=tok, peft_config=lora_config(s.lora, "CAUSAL_LM") if lora else None)
@@ -115,12 +118,15 @@ def run(cfg) -> None:
             # merged in fp32: a bf16 base would round the adapter's small changes away
             model = merge_lora(model.to(torch.float32))
         save_trained(trainer, model, tok, out, cfg.device)
+        answers = {}
         if trainer.is_world_process_zero():
+            if trainer.args.world_size == 1:  # sharded weights would need every process to sample
+                answers = answer_check(model, tok, cfg)  # did it learn? (rlhf_cli.learned)
             # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
                        "steps": result.global_step, "train_rows": n_train, "eval_rows": n_eval,
                        "train_seconds": round(seconds, 2), "base_model": str(base),
-                       "resumed_from": ckpt.resumed_step,
+                       "resumed_from": ckpt.resumed_step, **answers,
                        **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
             ckpt.finish(out)
@@ -128,3 +134,6 @@ def run(cfg) -> None:
     log.info("sft: eval loss %s -> %s in %d steps (%.1f s); wrote %s",
              f"{start:.3f}" if start is not None else "n/a", f"{end:.3f}" if end is not None else "n/a",
              result.global_step, seconds, s.output_dir)
+    warning = sft_warning({**answers, "eval_loss_end": end, "steps": result.global_step})
+    if warning:
+        log.warning(warning)

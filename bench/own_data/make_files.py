@@ -1,0 +1,61 @@
+"""Made-up own-data tasks for the tiny path (issue 42), each with its own checker.
+
+    python bench/own_data/make_files.py OUT_DIR     # writes cheerful_en.jsonl (200 rows)
+
+cheerful_en: a shop assistant's answers; the chosen one is cheerful and ends with "!", the rejected one is the
+same fact said flatly ("."). Checker `is_cheerful` (this file): English words that end with "!".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+ITEMS = ["apples", "bread", "milk", "rice", "coffee", "tea", "eggs", "cheese", "soap", "batteries", "candles",
+         "towels", "pasta", "honey", "butter", "lamps", "socks", "gloves", "umbrellas", "notebooks", "pencils",
+         "plates", "cups", "spoons", "flowers", "seeds", "paint", "brushes", "glue", "scissors", "maps", "kites",
+         "games", "puzzles", "shoes", "hats", "scarves", "jam", "juice", "cookies"]
+QUESTIONS = ["Where can I find the {item}?", "Do you sell {item}?", "How much are the {item}?",
+             "Are the {item} fresh today?", "Can I return the {item} I bought?"]
+FACTS = ["The {item} are in aisle {n}", "Yes, we sell {item} in aisle {n}", "The {item} cost {n} dollars",
+         "The {item} came in this morning", "You can return the {item} within {n} days"]
+CHEER = ["Happy to help", "Great question", "Sure thing", "Good news", "Of course"]
+FLAT = ["Okay", "Well", "Fine", "Right", "Yes"]
+_WORD = re.compile(r"[A-Za-z]+|\d+")
+
+
+def is_cheerful(response: str) -> bool:
+    """The checker: a reply of at least three words, made of English words and numbers (no stray bytes), that ends
+    with "!"."""
+    text = response.strip()
+    words = text.split()
+    clean = sum(1 for w in words if _WORD.fullmatch(w.strip(".,!?'")))
+    return text.endswith("!") and len(words) >= 3 and clean >= 0.9 * len(words)
+
+
+def cheerful_rows(n: int = 200, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    pairs = [(i, q) for i in range(len(ITEMS)) for q in range(len(QUESTIONS))]
+    rng.shuffle(pairs)
+    rows = []
+    for i, q in pairs[:n]:
+        item, num = ITEMS[i], rng.randint(2, 30)
+        fact = FACTS[q].format(item=item, n=num)
+        rows.append({"question": QUESTIONS[q].format(item=item),
+                     "chosen": f"{rng.choice(CHEER)}! {fact}!",
+                     "rejected": f"{rng.choice(FLAT)}. {fact}."})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "cheerful_en.jsonl", cheerful_rows())
+    print(out / "cheerful_en.jsonl")
