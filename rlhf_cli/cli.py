@@ -19,7 +19,7 @@ import threading
 
 from omegaconf import OmegaConf
 
-from rlhf_cli import data, hints, launch, schema, supervise
+from rlhf_cli import data, hints, launch, run_logs, schema, supervise
 from rlhf_cli.config import (
     COMMANDS,
     CONF_DIR,
@@ -33,7 +33,7 @@ from rlhf_cli.config import (
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.multirun import current_job, dirname_excludes, job_output
 from rlhf_cli.recipes import recipes_command
-from rlhf_cli.stage_table import NEEDS_DATA, RESUMABLE, STAGES
+from rlhf_cli.stage_table import NEEDS_DATA, RESUMABLE, STAGES, stage
 
 log = logging.getLogger("rlhf")
 
@@ -193,6 +193,7 @@ def run_stage(cfg) -> dict | None:
     output = job_output(cfg, job) if job is not None else None
     on_term = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if on_term else None
+    started = False  # past the checks: a refused run leaves no log directory, nor does a command that writes none
     try:
         try:
             if output is not None:
@@ -201,6 +202,7 @@ def run_stage(cfg) -> dict | None:
             schema.check_inputs(cfg)
             if command in NEEDS_DATA:
                 data.check_files(cfg.data)  # before the stage's imports, which take seconds
+            started = True
             rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")
@@ -211,6 +213,7 @@ def run_stage(cfg) -> dict | None:
             from rlhf_cli import tracking
 
             tracking.finish()
+            _tidy_logs(command, started, failed=sys.exc_info()[1] is not None)
             if on_term:  # the stage is over: SIGTERM does what it did before
                 signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     except RlhfError as e:
@@ -230,6 +233,16 @@ def run_stage(cfg) -> dict | None:
     if job is not None:
         return {"command": command, "output_dir": output[1] if output else None, "error": None}
     return None
+
+
+def _tidy_logs(command: str, started: bool, failed: bool) -> None:
+    """The log directory Hydra made for this run is removed where the run did nothing: refused before the stage
+    started, a command that writes no output (doctor, chat), or a stage that failed before logging a line."""
+    row = stage(command)
+    if not started or not (row.output or row.trains):
+        run_logs.remove_unused()
+    elif failed:
+        run_logs.remove_unused(only_if_silent=True)
 
 
 def _stop(command: str, message: str, code: int, job) -> dict:

@@ -215,8 +215,8 @@ def test_bad_input_fails_with_one_line_naming_it(case, run_cli, tmp_path, reques
         assert (tmp_path / name).read_bytes() == data, name
     if case.early:
         assert lines == errors, err  # nothing else was printed on the way
-        made = [p for p in tmp_path.glob("runs/*/*") if p.name != "logs"]  # logs/: Hydra's, before the check
-        assert not made, made
+        made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("runs/**/*"))
+        assert not (tmp_path / "runs").exists(), made  # not even Hydra's log directory (rlhf_cli.run_logs)
 
 
 def test_cases_cover_every_command():

@@ -264,3 +264,46 @@ def test_sigterm_ends_chat_at_once(base, tmp_path):
     assert line == "rlhf chat: error: terminated (SIGTERM); completed outputs are intact\n"
     assert said < 5, said  # the line at once (the interpreter's own teardown of torch follows it)
     assert not proc.stderr.read().strip()
+
+
+# ------------------------------------------------------------------------ no logs/ from runs that did nothing
+def test_doctor_and_a_refused_run_leave_no_run_directory(run_cli, tmp_path):
+    rc, out, err = run_cli("doctor", "recipe=qwen3-0.6b", "doctor.timeout_s=5")
+    assert rc == 0, err
+    assert_one_line_error(run_cli("sft", "sft.learning_rate=nan"), "sft", "sft.learning_rate=nan")
+    assert_one_line_error(run_cli("ppo", "ppo.advantage=grpo"), "ppo", "ppo.samples_per_prompt=1")  # the stage's check
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_refused_run_keeps_the_log_directories_that_were_there(run_cli, tmp_path):
+    earlier = tmp_path / "runs" / "tiny" / "logs" / "ppo" / "cli.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("an earlier run's log\n")
+    assert_one_line_error(run_cli("sft", "sft.learning_rate=nan"), "sft", "sft.learning_rate=nan")
+    assert sorted(p.name for p in (tmp_path / "runs" / "tiny" / "logs").iterdir()) == ["ppo"]
+    assert earlier.read_text() == "an earlier run's log\n"
+
+
+def test_remove_unused_by_hand(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rlhf_cli import run_logs
+
+    (tmp_path / "runs").mkdir()
+    logs = tmp_path / "runs" / "x" / "logs" / "sft"
+    hook = run_logs.FreshLogs()
+    hook.on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(logs)}}}))
+    (logs / ".hydra").mkdir(parents=True)
+    (logs / ".hydra" / "config.yaml").write_text("a: 1\n")
+    (logs / "cli.log").write_text("")
+    (tmp_path / "runs" / "x" / "sft").mkdir()  # the stage wrote beside the logs
+    run_logs.remove_unused(only_if_silent=True)
+    assert not (tmp_path / "runs" / "x" / "logs").exists() and (tmp_path / "runs" / "x" / "sft").is_dir()
+
+    hook.on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(logs)}}}))
+    logs.mkdir(parents=True)
+    (logs / "cli.log").write_text("step 1\n")
+    run_logs.remove_unused(only_if_silent=True)  # something was logged: kept
+    assert (logs / "cli.log").is_file()
+    run_logs.remove_unused()  # nothing noted any more: a second call removes nothing
+    assert (logs / "cli.log").is_file()
