@@ -11,13 +11,16 @@ TORCH_INDEX ?=
 # pytest-xdist processes for make test / test-fast: every test runs torch on one thread, so one per core
 TEST_WORKERS ?= 2
 RLHF := $(BIN)/rlhf
+# the shipped recipes, as `make help` lists them: every recipes/*.yaml beside this Makefile
+SHIPPED_RECIPES = $(sort $(basename $(notdir $(wildcard $(dir $(firstword $(MAKEFILE_LIST)))recipes/*.yaml))))
 
 .PHONY: help install sft reward ppo dpo eval chain chain-grpo chain-rule chain-dpo chat test test-fast bench bench-real real-check gpu-check dist clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)' TORCH_INDEX='$(TORCH_INDEX)'   recipes: tiny tiny-grpo tiny-rule tiny-dpo qwen3-0.6b (rlhf recipes)"
+	@echo "  variables: RECIPE=$(RECIPE) ARGS='$(ARGS)' TORCH_INDEX='$(TORCH_INDEX)'"
+	@echo "  recipes (RECIPE=NAME; rlhf recipes describes them): $(SHIPPED_RECIPES)"
 	@echo "  CPU-only machine, first install: make chain TORCH_INDEX=https://download.pytorch.org/whl/cpu"
 
 install: $(VENV)/.installed ## create .venv with the project and its test tools

@@ -70,8 +70,9 @@ examples:
                                              # <run_dir>/multirun/sft/<time>/
   rlhf recipes copy tiny my-tiny             # ./recipes/my-tiny.yaml; then: rlhf sft recipe=my-tiny
 
-devices (device=NAME): cpu, cuda, ddp, zero2, zero3, fsdp, cpu-ddp; multi-process ones relaunch `rlhf` under
-`accelerate launch` (multi-node: device.num_machines, device.machine_rank, device.main_process_ip).
+devices (device=NAME; multi-process ones relaunch `rlhf` under `accelerate launch`; multi-node:
+device.num_machines, device.machine_rank, device.main_process_ip):
+{devices}
 
 Overrides use Hydra's grammar (key=value, +new_key=value, group=option); flags such as --cfg go before them.
 `rlhf <command> --help` lists the config groups and the composed config. debug=true shows full tracebacks.
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"{CONF_DIR} (a checkout) has config.yaml; reinstall rlhf-cli")
     if not argv or argv[0] in ("-h", "--help", "help"):
         commands = "\n".join(f"  {s.name:<8} {s.summary}" for s in STAGES)
-        print(HELP.format(commands=commands, recipes=", ".join(recipe_names())), end="")
+        devices = "\n".join(f"  {name:<8} {what}" for name, what in hints.group_summaries(CONF_DIR, "device"))
+        print(HELP.format(commands=commands, recipes=", ".join(recipe_names()), devices=devices), end="")
         return
     if argv[0] in ("-V", "--version"):
         from rlhf_cli import __version__

@@ -1,6 +1,7 @@
 """What a newcomer types that rlhf can read the intent of: a config-group option that does not exist
 (`device=gpu`) and a key written as a command-line flag (`--max_steps 10`). Each becomes one line that says what
-to type instead. Torch-free, like the rest of the command line.
+to type instead. Also each group option's one-line description, for `rlhf --help`. Torch-free, like the rest of
+the command line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ _MISSING_OPTION = re.compile(r"Could not find '([\w-]+)/([^'/]+)'")
 def group_options(conf_dir: Path, group: str) -> list[str]:
     """The options of config group `group` (conf/<group>/*.yaml), sorted."""
     return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+
+
+def group_summaries(conf_dir: Path, group: str) -> list[tuple[str, str]]:
+    """(option, what it is) for each option of `group`: the first sentence of its file's leading comment, up to a
+    colon that starts its details (`ddp`: "Data parallel over GPUs")."""
+    from rlhf_cli.config import recipe_summary
+
+    rows = []
+    for name in group_options(conf_dir, group):
+        first = re.split(r"(?<=[^.])\.(?:\s|$)", recipe_summary(conf_dir / group / f"{name}.yaml"), maxsplit=1)[0]
+        rows.append((name, first.split(": ", 1)[0].strip()))
+    return rows
 
 
 def closest_option(group: str, option: str, options: list[str]) -> str | None:

@@ -96,11 +96,36 @@ def _short(path: Path) -> str:
 
 
 def show_recipe(name: str, overrides: list[str]) -> str:
-    """The config recipe NAME composes to (with `overrides`), as YAML: what `rlhf <command> recipe=NAME --cfg
-    job` prints, without the command. Checked against the schema like a run."""
+    """The config recipe NAME composes to (with `overrides`), as YAML with its interpolations resolved
+    (`${run_dir}/sft` as the directory it names); one that cannot be resolved without running (an unset
+    environment variable) is printed as written. Checked against the schema like a run."""
     cfg = compose("sft", [f"recipe={name}", *overrides])
     OmegaConf.set_struct(cfg, False)
     cfg.pop("command", None)
     recipe = find_recipes()[name]
     origin = "shipped" if recipe.shipped else str(recipe.path)
-    return f"# recipe {name} ({origin}), composed with {CONF_DIR}\n" + OmegaConf.to_yaml(cfg)
+    return (f"# recipe {name} ({origin}), composed with {CONF_DIR}; values resolved "
+            f"(`rlhf sft recipe={name} --cfg job` shows where they come from)\n"
+            + OmegaConf.to_yaml(OmegaConf.create(resolved(cfg))))
+
+
+def resolved(node):
+    """`node` as plain containers with every interpolation that resolves replaced by its value; one that does
+    not (an unset environment variable, a value only a run knows) stays as written."""
+    from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    written = OmegaConf.to_container(node, resolve=False)
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    out = {} if isinstance(node, DictConfig) else []
+    for key in keys:
+        try:
+            value = node[key]
+        except OmegaConfBaseException:
+            value = written[key]
+        value = resolved(value) if OmegaConf.is_config(value) else value
+        if isinstance(out, dict):
+            out[key] = value
+        else:
+            out.append(value)
+    return out

@@ -307,3 +307,59 @@ def test_remove_unused_by_hand(tmp_path):
     assert (logs / "cli.log").is_file()
     run_logs.remove_unused()  # nothing noted any more: a second call removes nothing
     assert (logs / "cli.log").is_file()
+
+
+# ------------------------------------------------------------------ help: devices, make's recipes, resolved show
+def test_help_lists_every_device_with_one_line(run_cli):
+    rc, out, err = run_cli("--help")
+    assert rc == 0, err
+    lines = out.splitlines()
+    for name in sorted(p.stem for p in (CONF_DIR / "device").glob("*.yaml")):
+        row = [ln for ln in lines if ln.startswith(f"  {name} ") or ln.startswith(f"  {name}\t")]
+        assert len(row) == 1 and len(row[0].split(None, 1)) == 2, (name, row)
+    assert "  cuda     One GPU" in out and "  ddp      Data parallel over GPUs" in out
+
+
+def test_group_summaries_by_hand(tmp_path):
+    (tmp_path / "device").mkdir()
+    (tmp_path / "device" / "a.yaml").write_text("# @package device\n# Fast path: details here. More.\nname: a\n")
+    (tmp_path / "device" / "b.yaml").write_text("# One GPU (v1.5). Then more.\nname: b\n")
+    (tmp_path / "device" / "c.yaml").write_text("name: c\n")
+    assert hints.group_summaries(tmp_path, "device") == [("a", "Fast path"), ("b", "One GPU (v1.5)"), ("c", "")]
+
+
+def test_make_help_lists_every_recipe_from_the_folder(tmp_path):
+    import shutil
+
+    from rlhf_cli.config import CONFIG_ROOT
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    shutil.copy(CONFIG_ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "recipes").mkdir()
+    for name in ("tiny", "zz-new-one", "a-first"):
+        (tmp_path / "recipes" / f"{name}.yaml").write_text("recipe: x\n")
+    out = subprocess.run(["make", "-s", "help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if "recipes (RECIPE=NAME" in ln)
+    assert line.endswith(": a-first tiny zz-new-one"), line
+    shipped = subprocess.run(["make", "-s", "help"], cwd=CONFIG_ROOT, capture_output=True, text=True, timeout=60)
+    line = next(ln for ln in shipped.stdout.splitlines() if "recipes (RECIPE=NAME" in ln)
+    assert line.split(": ", 1)[1].split() == sorted(p.stem for p in (CONFIG_ROOT / "recipes").glob("*.yaml"))
+
+
+def test_recipes_show_resolves_interpolations(run_cli, tmp_path):
+    rc, out, err = run_cli("recipes", "show", "tiny")
+    assert rc == 0, err
+    assert "${" not in out
+    assert "\nrun_dir: runs/tiny\n" in out and "  output_dir: runs/tiny/sft\n" in out
+    assert "  policy_dir: runs/tiny/sft\n" in out  # ppo.policy_dir: ${sft.output_dir}
+
+
+def test_resolved_keeps_what_cannot_be_resolved():
+    from omegaconf import OmegaConf
+
+    from rlhf_cli.recipes import resolved
+
+    cfg = OmegaConf.create({"a": "${oc.env:RLHF_TEST_SURELY_UNSET}", "c": 1, "d": {"e": "${c}/x", "l": ["${c}", 2]}})
+    assert resolved(cfg) == {"a": "${oc.env:RLHF_TEST_SURELY_UNSET}", "c": 1, "d": {"e": "1/x", "l": [1, 2]}}
