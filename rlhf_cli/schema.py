@@ -289,6 +289,7 @@ SCHEMA: dict[str, Rule] = {
     "ppo.logging_steps": count(),
     "ppo.sample_every": whole(0, help="0: never"),
     "ppo.save_every": whole(0, help="0: only at the end"),
+    "ppo.save_total_limit": whole(1, null=True, help="checkpoints kept, the newest (each complete); null: keep all"),
     "ppo.eval_every": whole(0, help="updates between evaluations on held-out prompts (eval/* metrics), and after "
                             "the last; 0: never"),
     "ppo.keep_best": text(null=True, help="an eval/* metric (eval/ground_truth_rate, eval/rm_score; -eval/kl: "

@@ -363,3 +363,59 @@ def test_resolved_keeps_what_cannot_be_resolved():
 
     cfg = OmegaConf.create({"a": "${oc.env:RLHF_TEST_SURELY_UNSET}", "c": 1, "d": {"e": "${c}/x", "l": ["${c}", 2]}})
     assert resolved(cfg) == {"a": "${oc.env:RLHF_TEST_SURELY_UNSET}", "c": 1, "d": {"e": "1/x", "l": [1, 2]}}
+
+
+# ---------------------------------------------------------------------------------- ppo.save_total_limit
+def test_ppo_keeps_the_newest_checkpoints_and_resumes_from_them(base, tok, tmp_path):
+    from test_trainer import build, ppo_cfg
+
+    from rlhf_cli.ppo import checkpoint
+    from rlhf_cli.resume import latest
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_5(update, metrics):
+        if update == 5:
+            raise Stop  # as a kill after update 4's checkpoint
+
+    p = ppo_cfg(total_episodes=48, save_every=1, save_total_limit=2)  # 6 updates of 8 episodes, a save after each
+    a = build(base, tok, p, work=tmp_path / "a")
+    (tmp_path / "a" / "best").mkdir(parents=True)
+    (tmp_path / "a" / "best" / "best.json").write_text("{}")
+    a.hooks.on_update = stop_at_5
+    with pytest.raises(Stop):
+        a.train()
+    ckpts = tmp_path / "a" / "checkpoints"
+    assert sorted(x.name for x in ckpts.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert (tmp_path / "a" / "best" / "best.json").read_text() == "{}"  # best/ untouched
+    checkpoint.verify_checksums(ckpts / "checkpoint-4")
+
+    # the run resumes from the newest kept and prunes as it goes on
+    b = build(base, tok, p, work=tmp_path / "a", seed=5)
+    b.resume(latest(ckpts))
+    assert b.progress.update == 4
+    b.train()
+    assert b.progress.update == 6
+    assert sorted(x.name for x in ckpts.iterdir()) == ["checkpoint-5", "checkpoint-6"]
+
+
+def test_prune_by_hand(tmp_path):
+    from rlhf_cli.ppo.checkpoint import prune
+
+    for n in (1, 2, 10, 3):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+    (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint of ours: left alone
+    (tmp_path / ".checkpoint-0.removing").mkdir()  # a removal a kill cut off: finished now
+    assert prune(tmp_path, None) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-10", "checkpoint-2",
+                                                          "checkpoint-3", "checkpoint-x"]
+    assert [p.name for p in prune(tmp_path, 2)] == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-3", "checkpoint-x"]
+    prune(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-x"]
+
+
+def test_save_total_limit_is_checked(run_cli):
+    assert_one_line_error(run_cli("ppo", "ppo.save_total_limit=0"), "ppo",
+                          "ppo.save_total_limit=0 is out of range; use a whole number ≥ 1, or null")

@@ -430,3 +430,24 @@ def _read_tensors(file: Path, load_file, ckpt: Path | None = None) -> dict[str, 
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise RlhfError(f"checkpoint file {file} is missing or unreadable ({first}); delete {ckpt or file.parent} "
                         "to resume from an earlier checkpoint, or drop ppo.resume=true") from e
+
+
+def prune(directory: Path, keep: int | None) -> list[Path]:
+    """`ppo.save_total_limit`: remove all but the newest `keep` checkpoints under `directory`, oldest first, and
+    return them (None: keep all). Each checkpoint-N there is complete (`save` renames it into place once written),
+    so the newest kept is one a resume can use; a removal cut off by a kill leaves only a hidden .removing folder,
+    cleared on the next call. best/ is elsewhere and never touched."""
+    import shutil
+
+    for left in directory.glob(".checkpoint-*.removing"):
+        shutil.rmtree(left, ignore_errors=True)
+    if keep is None:
+        return []
+    numbered = [(int(p.name[len("checkpoint-"):]), p) for p in directory.glob("checkpoint-*")
+                if p.is_dir() and p.name[len("checkpoint-"):].isdigit()]
+    old = [p for _, p in sorted(numbered)[:-max(1, int(keep))]]
+    for p in old:
+        trash = p.with_name(f".{p.name}.removing")
+        p.rename(trash)  # one step: a resume never finds a half-removed checkpoint-N
+        shutil.rmtree(trash, ignore_errors=True)
+    return old

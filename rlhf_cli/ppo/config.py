@@ -82,6 +82,7 @@ class PPOConfig:
     logging_steps: int
     sample_every: int
     save_every: int
+    save_total_limit: int | None        # checkpoints kept (rlhf_cli.ppo.checkpoint.prune); None: all
     eval_every: int                     # updates between held-out evaluations (rlhf_cli.ppo.evaluation); 0: none
     keep_best: str | None               # the eval/* metric whose best update's adapter is kept in best/
 

@@ -542,6 +542,7 @@ class PPOTrainer:
                 checkpoint.save(path, self.unwrapped, self.value_model(), self.tok, state,
                                 self.optimizer.state_dict(), rngs, root=self.work.parent)
                 self.hooks.on_save(path)
+                checkpoint.prune(path.parent, self.c.save_total_limit)  # after `path` is complete
         self.acc.wait_for_everyone()
         return path
 
