@@ -419,3 +419,29 @@ def test_prune_by_hand(tmp_path):
 def test_save_total_limit_is_checked(run_cli):
     assert_one_line_error(run_cli("ppo", "ppo.save_total_limit=0"), "ppo",
                           "ppo.save_total_limit=0 is out of range; use a whole number ≥ 1, or null")
+
+
+# ----------------------------------------------------------------------------------------- PPO's last line
+def test_ppo_ends_with_its_wall_time_and_a_summary(run_cli, base, tmp_path):
+    import re
+
+    rc, out, err = run_cli("ppo", f"ppo.policy_dir={base}", "ppo.reward=[rlhf_cli.demo:polite_reward]",
+                           "ppo.value_init=sft", "ppo.total_episodes=32", "ppo.num_mini_batches=1",
+                           "ppo.response_length=4", "device.threads=1")
+    assert rc == 0, err[-3000:]
+    last = [ln for ln in out.splitlines() if ln.strip()][-1]
+    assert re.search(r"ppo: 1 update, 32 episodes in \d+\.\d s; last update: score [+-]\d+\.\d\d, kl -?\d+\.\d\d, "
+                     r"ground truth \d\.\d\d(, held-out ground truth \d\.\d\d)?; wrote runs/tiny/ppo$", last), last
+
+
+def test_final_line_by_hand():
+    from rlhf_cli.stages._console import duration, final_line
+
+    m = {"objective/scores": 1.234, "objective/kl": 0.456, "objective/ground_truth_rate": 0.97}
+    assert final_line(3, 96, 83.04, m, "runs/tiny/ppo") == (
+        "ppo: 3 updates, 96 episodes in 1 min 23 s; last update: score +1.23, kl 0.46, ground truth 0.97; "
+        "wrote runs/tiny/ppo")
+    assert final_line(1, 8, 2.0, {"objective/scores": -0.5}, "o") == \
+        "ppo: 1 update, 8 episodes in 2.0 s; last update: score -0.50; wrote o"
+    assert [duration(s) for s in (0.04, 59.94, 60, 3599.4, 7620)] == ["0.0 s", "59.9 s", "1 min 00 s",
+                                                                        "59 min 59 s", "2 h 07 min"]

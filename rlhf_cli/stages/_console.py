@@ -35,6 +35,27 @@ def update_line(update: int, num_updates: int, m: dict[str, float]) -> str:
             f"{vf}{zero} clip {m['policy/clipfrac_avg']:.2f} eps {m['eps']:.1f}")
 
 
+def final_line(updates: int, episodes: int, seconds: float, m: dict[str, float], out) -> str:
+    """PPO's last line: what it trained, its wall time, and the last update's score, KL and ground truth (and the
+    held-out evaluation's, where there was one)."""
+    parts = [f"score {m['objective/scores']:+.2f}"] if "objective/scores" in m else []
+    parts += [f"kl {m['objective/kl']:.2f}"] if "objective/kl" in m else []
+    parts += [f"ground truth {m['objective/ground_truth_rate']:.2f}"] if "objective/ground_truth_rate" in m else []
+    parts += [f"held-out ground truth {m['eval/ground_truth_rate']:.2f}"] if "eval/ground_truth_rate" in m else []
+    last = f"; last update: {', '.join(parts)}" if parts else ""
+    return (f"ppo: {updates} update{'' if updates == 1 else 's'}, {episodes} episodes in {duration(seconds)}{last}; "
+            f"wrote {out}")
+
+
+def duration(seconds: float) -> str:
+    """`42.0 s`, `3 min 05 s`, `2 h 07 min`: a wall time as a person reads it."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
 
 class console:
     """A progress bar over episodes and a line every `ppo.logging_steps` updates (main process), chained in
