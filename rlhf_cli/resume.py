@@ -12,6 +12,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from rlhf_cli import stage_table
 from rlhf_cli.errors import RlhfError
 
@@ -78,8 +80,6 @@ def run_config(cfg, stage: str) -> dict:
     """The keys that shape a `stage` run, flat ({"sft.learning_rate": 0.001, "data.train_path": ...}): stored
     with its checkpoints, compared on resume. Left out: where things are written, how often they are logged,
     evaluated or saved, and where the model is found."""
-    from omegaconf import OmegaConf
-
     out: dict = {}
     for group in (stage, "data", "model"):
         flat(OmegaConf.to_container(cfg[group], resolve=True), group, out)
@@ -88,7 +88,58 @@ def run_config(cfg, stage: str) -> dict:
         out[f"device.{key}"] = device.get(key)
     out["seed"] = cfg.seed
     skip = {f"{stage}.{k}" for k in NOT_SHAPING} | set(NOT_SHAPING_ELSEWHERE)
-    return {k: v for k, v in out.items() if k not in skip}
+    return {**{k: v for k, v in out.items() if k not in skip}, **data_identity(cfg.data)}
+
+
+def data_identity(data_cfg) -> dict:
+    """{"data.train_path sha256": ..., "data.eval_path sha256": ...} of the local data files: a file rewritten in
+    place is a changed run, not only a renamed one (a hub dataset is named by its path alone)."""
+    out = {}
+    for key in ("train_path", "eval_path"):
+        path = data_cfg.get(key)
+        if path and Path(str(path)).expanduser().is_file():
+            out[f"data.{key} sha256"] = file_sha256(Path(str(path)).expanduser())
+    return out
+
+
+def ppo_record(cfg) -> dict:
+    """What shapes a PPO run besides its trainer's own record (`PPOTrainer.run_config`): the seed, the data keys
+    and the data files' content, the model keys other than where the model is found, and the resume-independent
+    `ppo.*` keys that are no PPOConfig field (the value model's start)."""
+    rec = run_config(cfg, "ppo")
+    paths = ("ppo.policy_dir", "ppo.reward_dir", "ppo.value_init", "model.name_or_path", "model.tiny.dir")
+    not_shaping = ("ppo.reward_timeout_s", "ppo.reward_retries", "ppo.reward_max_abs", "ppo.merge",
+                   "ppo.rollout_forward_batch_size", "ppo.activation_checkpointing", "ppo.save_every", "ppo.save_total_limit",
+                   "ppo.sample_every", "ppo.eval_every", "ppo.keep_best", "ppo.first_update_kl_tolerance",
+                   "model.adapter_base_check")
+    return {k: v for k, v in rec.items() if k not in paths + not_shaping}
+
+
+def model_identities(cfg, stage: str) -> dict:
+    """{"<key> identity": ...} of the model directories a `stage` run starts from (`rlhf_cli.identity`): its
+    policy / reference / reward / init directories, and the base model where it is a local directory."""
+    from rlhf_cli.identity import identity
+    from rlhf_cli.tiny import is_tiny_spec
+
+    base = "model.tiny.dir" if is_tiny_spec(str(cfg.model.name_or_path)) else "model.name_or_path"
+    keys = [f"{stage}.{k}" for k in ("policy_dir", "reward_dir", "value_init", "init_from") if k in cfg[stage]]
+    keys.append(base)
+    out = {}
+    for key in keys:
+        value = identity(OmegaConf.select(cfg, key))
+        if value is not None:
+            out[f"{key} identity"] = value
+    return out
+
+
+def file_sha256(file: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(file, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def show(value) -> str:
@@ -96,17 +147,54 @@ def show(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def changed_keys(saved: dict, here: dict) -> list[str]:
-    """The keys whose value differs between two run records (a key only one of them has counts as changed)."""
-    return [k for k in sorted(set(saved) | set(here)) if saved.get(k, UNSET) != here.get(k, UNSET)]
+def changed_keys(saved: dict, here: dict, last: tuple[str, ...] = ()) -> list[str]:
+    """The keys whose value differs between two run records (a key only one of them has counts as changed), those
+    the user set for this run first (`user_keys`: on the command line, or through the recipe named there), keys
+    in `last` (what follows from others, such as whether the value model is a LoRA) last."""
+    changed = [k for k in sorted(set(saved) | set(here)) if saved.get(k, UNSET) != here.get(k, UNSET)]
+    mine = user_keys()
+    return sorted(changed, key=lambda k: (k not in mine, k in last))
 
 
-def also(changed: list[str], n: int = 3) -> str:
-    """" (also changed: a, b, c, ...)" for the keys after the first."""
+def also(changed: list[str], saved: dict, here: dict, n: int = 3) -> str:
+    """" (also changed: a 1 -> 2, b x -> y, ...)" for the keys after the first, with both values."""
     if len(changed) < 2:
         return ""
-    rest = changed[1:]
+    rest = [f"{k} {show(saved.get(k, UNSET))} -> {show(here.get(k, UNSET))}" for k in changed[1:]]
     return f" (also changed: {', '.join(rest[:n])}{', ...' if len(rest) > n else ''})"
+
+
+def user_keys() -> set[str]:
+    """The config keys this command's overrides set: `key=value` on the command line, and every key the recipe
+    chosen there (`recipe=NAME`) sets. Empty outside the CLI (a config composed in a test)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    except Exception:  # noqa: BLE001 - no Hydra run: nothing is the user's in particular
+        return set()
+    keys = set()
+    for o in task:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key == "recipes":
+            keys |= _recipe_keys(value)
+        keys.add(key)
+    return keys
+
+
+def _recipe_keys(option: str) -> set[str]:
+    """The flat keys a recipe file sets (`recipes=` option: a shipped name, or user/NAME), or none if unreadable."""
+    import yaml
+
+    from rlhf_cli.config import find_recipes
+
+    name = option.split("/", 1)[1] if option.startswith("user/") else option
+    recipe = find_recipes().get(name)
+    try:
+        doc = yaml.safe_load(recipe.path.read_text(encoding="utf-8")) if recipe is not None else None
+    except (OSError, ValueError, yaml.YAMLError):
+        return set()
+    return set(flat(doc, "", {})) if isinstance(doc, dict) else set()
 
 
 # ------------------------------------------------------------------------------------- the partial directory

@@ -20,7 +20,6 @@ trained).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import devices
+from rlhf_cli import devices, resume
 from rlhf_cli.errors import RlhfError
 
 log = logging.getLogger("rlhf")
@@ -41,6 +40,9 @@ MANIFEST = "checksums.json"
 STATE_FIELDS = ("update", "episodes", "scheduler", "kl_ctl", "prompts_consumed", "optimizer", "rng")
 # run-config keys that fix the shapes of the saved weights: ppo.resume=force cannot continue across them
 WEIGHT_SHAPE_KEYS = ("ppo.lora.enabled", "ppo.lora.r", "ppo.lora.target_modules", "ppo.value_lora")
+# run-config keys that follow from others (whether the value model is a LoRA follows from ppo.advantage): named
+# after the keys the user changed
+CONSEQUENCE_KEYS = ("ppo.value_lora", "ppo.lora.enabled")
 
 
 def save_model(model, path: Path, root: Path | None = None) -> None:
@@ -361,18 +363,21 @@ def compare_run_config(saved: dict | None, here: dict, ckpt: Path, force: bool) 
                     "sizes, LoRA and learning rates are not compared with this run's", ckpt)
         return []
     norm = json.loads(json.dumps(here))  # as saved: tuples as lists
-    changed = [k for k in norm if k in saved and saved[k] != norm[k]]
-    for k in changed:
-        if k in WEIGHT_SHAPE_KEYS:
-            raise RlhfError(f"ppo.resume: {k} was {_show(saved[k])} when checkpoint {ckpt} was written and is "
-                            f"{_show(norm[k])} now; its weights have the saved shape, so it cannot continue with "
-                            f"another: set {k}={_show(saved[k])} to resume, or drop ppo.resume to start a new run")
+    both = set(saved) & set(norm)  # a key an older checkpoint lacks is not compared
+    changed = resume.changed_keys({k: saved[k] for k in both}, {k: norm[k] for k in both}, last=CONSEQUENCE_KEYS)
+    fixed = [k for k in changed if k in WEIGHT_SHAPE_KEYS]
+    if fixed:
+        f = fixed[0]  # a key that follows from another is named through the one changed (the user's first)
+        k = changed[0] if f in CONSEQUENCE_KEYS and changed[0] not in CONSEQUENCE_KEYS else f
+        via = f", which changes {f} ({_show(saved[f])} -> {_show(norm[f])})" if f != k else ""
+        raise RlhfError(f"ppo.resume: {k} was {_show(saved[k])} when checkpoint {ckpt} was written and is "
+                        f"{_show(norm[k])} now{via}; its weights have the saved shape, so it cannot continue with "
+                        f"another: set {k}={_show(saved[k])} to resume, or drop ppo.resume to start a new run")
     if changed and not force:
         k = changed[0]
-        more = f" (also changed: {', '.join(changed[1:])})" if len(changed) > 1 else ""
         raise RlhfError(f"ppo.resume: {k} was {_show(saved[k])} when checkpoint {ckpt} was written and is "
-                        f"{_show(norm[k])} now{more}; set {k}={_show(saved[k])} to resume the run as it was, or "
-                        "ppo.resume=force to continue it with the new values")
+                        f"{_show(norm[k])} now{resume.also(changed, saved, norm)}; set {k}={_show(saved[k])} to "
+                        "resume the run as it was, or ppo.resume=force to continue it with the new values")
     for k in changed:
         log.warning("ppo.resume=force: %s was %s at %s; continuing with %s", k, _show(saved[k]), ckpt.name,
                     _show(norm[k]))
@@ -391,7 +396,7 @@ def write_checksums(directory: Path) -> None:
     for f in sorted(directory.rglob("*")):
         rel = f.relative_to(directory)
         if f.is_file() and rel.as_posix() != MANIFEST and not any(part.startswith(".") for part in rel.parts):
-            files[rel.as_posix()] = _sha256(f)
+            files[rel.as_posix()] = resume.file_sha256(f)
     (directory / MANIFEST).write_text(json.dumps({"sha256": files}, indent=1) + "\n", encoding="utf-8")
 
 
@@ -411,16 +416,8 @@ def verify_checksums(path: Path) -> None:
         f = path / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not f.is_file():
             raise RlhfError(f"checkpoint {path} is damaged ({rel} is missing); {fix}")
-        if _sha256(f) != digest:
+        if resume.file_sha256(f) != digest:
             raise RlhfError(f"checkpoint {path} is damaged ({rel} checksum mismatch); {fix}")
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read_tensors(file: Path, load_file, ckpt: Path | None = None) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ The trainer does no config parsing and no printing of its own: the CLI stage bui
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -40,6 +41,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlhf")
 
+# PPOConfig fields that do not change what a run computes (how often it logs, samples, saves and evaluates, and a
+# check of the first update): left out of its run config, so they may change on resume
+NOT_SHAPING_FIELDS = ("logging_steps", "sample_every", "save_every", "save_total_limit", "eval_every", "keep_best",
+                      "first_update_kl_tolerance")
+# run-config keys of the KL controller: changed under ppo.resume=force, it restarts from the new kl_coef
+KL_KEYS = ("ppo.kl_coef", "ppo.adaptive_kl", "ppo.adaptive_kl_target", "ppo.kl_horizon")
 STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio", "kl_loss")
 
 
@@ -172,6 +179,7 @@ class PPOTrainer:
         self.kl_ctl = (core.AdaptiveKLController(c.kl_coef, c.adaptive_kl_target, c.kl_horizon) if c.adaptive_kl
                        else core.FixedKLController(c.kl_coef))
         self.progress = Progress()
+        self.run_record: dict = {}  # more run-shaping keys from the stage (rlhf_cli.resume.ppo_record)
         self.evaluator = evaluator if c.eval_every else None  # none given: no evaluation
         self.keep = evaluation.keep_best_metric(c.keep_best, c.eval_every)  # (metric, sign) or None
         if self.keep is not None and self.evaluator is None:
@@ -480,12 +488,15 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------------------------- checkpoints
     def run_config(self) -> dict:
-        """What shapes this run (its schedule, batches, weights and sources), by the config keys that set it:
-        stored with each checkpoint and compared on resume (`checkpoint.compare_run_config`). Episodes are those
-        trained (whole batches); directories are recorded as adapters record their base (relative inside the
-        run directory, so a moved run still resumes)."""
+        """What shapes this run, by the config keys that set it: stored with each checkpoint and compared on resume
+        (`checkpoint.compare_run_config`). Every `PPOConfig` field but those of NOT_SHAPING_FIELDS (how often it
+        logs, samples, saves and evaluates), `run_record` (what the stage adds: data files, seed, the models'
+        content identity: `rlhf_cli.resume.ppo_record`), and what the built run has: its schedule and batches
+        (episodes are those trained, whole batches), LoRA, the value model, sources (directories recorded as
+        adapters record their base, relative inside the run directory, so a moved run still resumes)."""
         c, sz = self.c, self.sizes
         lora = getattr(self.unwrapped, "peft_config", {}).get("default")
+        fields = {f"ppo.{k}": v for k, v in dataclasses.asdict(c).items() if k not in NOT_SHAPING_FIELDS}
         value, reward = self.value_model(), getattr(self.reward, "model", self.reward)
 
         def where(src) -> str | None:
@@ -497,6 +508,8 @@ class PPOTrainer:
                        if not q.requires_grad), None)
         targets = getattr(lora, "target_modules", None)
         return {
+            **fields,
+            **self.run_record,
             "ppo.total_episodes": sz.num_updates * sz.batch_size,
             "ppo.per_device_train_batch_size": sz.micro_batch_size,
             "ppo.gradient_accumulation_steps": sz.gradient_accumulation_steps,
@@ -559,7 +572,12 @@ class PPOTrainer:
         self.scheduler.load_state_dict(st["scheduler"])
         if st["changed"]:
             self._continue_with(fresh)
-        self.kl_ctl.load_state_dict(st["kl_ctl"])
+        kl_changed = [k for k in st["changed"] if k in KL_KEYS]
+        if kl_changed:  # ppo.resume=force with a new KL setting: the controller restarts from it
+            log.warning("ppo.resume=force: %s changed; the KL controller restarts at kl_coef=%g instead of the "
+                        "checkpoint's %s", ", ".join(kl_changed), self.kl_ctl.value, st["kl_ctl"].get("value"))
+        else:
+            self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))
         consumed = st["prompts_consumed"]
         self.stream.consumed = consumed[self.rank] if self.rank < len(consumed) else consumed[0]

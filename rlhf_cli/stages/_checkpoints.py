@@ -137,8 +137,8 @@ class Checkpoints:
         if changed:
             k = changed[0]
             raise RlhfError(f"{stage}.resume=true: {k} was {R.show(stored.get(k, R.UNSET))} in the interrupted run "
-                            f"and is {R.show(shape.get(k, R.UNSET))} now{R.also(changed)}; resume with the same "
-                            f"value, or start over with {stage}.fresh=true")
+                            f"and is {R.show(shape.get(k, R.UNSET))} now{R.also(changed, stored, shape)}; resume "
+                            f"with the same value, or start over with {stage}.fresh=true")
 
     def __enter__(self):
         return self

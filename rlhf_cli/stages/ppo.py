@@ -31,14 +31,13 @@ from rlhf_cli.ppo.reward_model import know_prompts
 from rlhf_cli.ppo.rewards import RewardFunction
 from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
-from rlhf_cli.stages._console import console, describe_run, final_line, show_evaluations
+from rlhf_cli.stages._console import console, describe_run, show_evaluations
 from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
 
 
 def run(cfg, hooks: Hooks | None = None) -> dict:
-    t_run = time.perf_counter()  # the wall time of the whole stage, loading included, for its last line
     setup_torch(cfg)
     from accelerate import Accelerator
 
@@ -84,15 +83,17 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
             held_out[0], _sampling.sampling(cfg, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
             int(cfg.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(cfg, held_out[1]),
             int(cfg.eval.samples_per_prompt))
-    writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)  # TensorBoard, and wandb if asked
     stream = PromptStream(prompts, int(cfg.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
-                         writer=writer, hooks=hooks, reward_functions=functions, evaluator=evaluator)
+                         hooks=hooks, reward_functions=functions, evaluator=evaluator)
+    trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
     if p.resume:
         ckpt = resume.latest(work / "checkpoints")
         trainer.resume(ckpt, force=p.resume == "force")
         log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
                  trainer.progress.episodes)
+    # TensorBoard, and wandb if asked: opened once the resume is checked (a refused one writes nothing)
+    writer = trainer.writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)
     describe_run(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
     if evaluator is not None:
         log.info("ppo: every %d updates and after the last, %d held-out prompts sampled with the eval settings "
@@ -115,8 +116,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
             write_outputs(trainer, tok, work, cfg, time.perf_counter() - t_start)
             writer.close()
             publish(work, out, "ppo")
-            log.info(final_line(trainer.progress.update, trainer.progress.episodes, time.perf_counter() - t_run,
-                                metrics, out))
+            log.info("ppo: %d episodes; wrote %s", trainer.progress.episodes, out)
     acc.wait_for_everyone()
     acc.end_training()
     return metrics
