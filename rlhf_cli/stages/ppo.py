@@ -31,13 +31,14 @@ from rlhf_cli.ppo.reward_model import know_prompts
 from rlhf_cli.ppo.rewards import RewardFunction
 from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
-from rlhf_cli.stages._console import console, describe_run, show_evaluations
+from rlhf_cli.stages._console import console, describe_run, final_line, show_evaluations
 from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
 
 
 def run(cfg, hooks: Hooks | None = None) -> dict:
+    t_run = time.perf_counter()  # the wall time of the whole stage, loading included, for its last line
     setup_torch(cfg)
     from accelerate import Accelerator
 
@@ -116,7 +117,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
             write_outputs(trainer, tok, work, cfg, time.perf_counter() - t_start)
             writer.close()
             publish(work, out, "ppo")
-            log.info("ppo: %d episodes; wrote %s", trainer.progress.episodes, out)
+            log.info(final_line(trainer.progress.update, trainer.progress.episodes, time.perf_counter() - t_run,
+                                metrics, out))
     acc.wait_for_everyone()
     acc.end_training()
     return metrics
