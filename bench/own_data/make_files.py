@@ -1,9 +1,11 @@
 """Made-up own-data tasks for the tiny path (issue 42), each with its own checker.
 
-    python bench/own_data/make_files.py OUT_DIR     # writes cheerful_en.jsonl (200 rows)
+    python bench/own_data/make_files.py OUT_DIR     # writes cheerful_en.jsonl (200 rows), formal_zh.jsonl (600)
 
 cheerful_en: a shop assistant's answers; the chosen one is cheerful and ends with "!", the rejected one is the
 same fact said flatly ("."). Checker `is_cheerful` (this file): English words that end with "!".
+formal_zh: a front desk's answers in Chinese; the chosen one is formal (您, 请, ends with "。"), the rejected one
+casual (你, ends with "啦"). Checker `is_formal` (this file).
 """
 
 from __future__ import annotations
@@ -50,6 +52,33 @@ def cheerful_rows(n: int = 200, seed: int = 0) -> list[dict]:
     return rows
 
 
+PLACES = ["前台", "餐厅", "健身房", "泳池", "停车场", "会议室", "洗衣房", "商店", "花园", "图书室", "电梯", "大堂",
+          "早餐厅", "咖啡厅", "酒吧", "医务室", "行李房", "书店", "银行", "药店"]
+ASKS = ["{p}在哪里？", "{p}几点开门？", "{p}可以预约吗？", "{p}要收费吗？", "{p}今天开放吗？", "{p}离这里远吗？"]
+ZH_FACTS = ["{p}在{n}楼", "{p}早上{n}点开门", "{p}可以提前{n}天预约", "{p}每次收费{n}元", "{p}今天开放到{n}点",
+            "{p}走路大约{n}分钟"]
+FORMAL = ["您好，", "感谢您的提问，", "请您放心，", "您好，很高兴为您服务，"]
+CASUAL = ["嗯，", "哦，", "好吧，", "那个，"]
+
+
+def is_formal(response: str) -> bool:
+    """The checker: a polite formal reply: says 您, never 你 alone, and ends with "。"."""
+    text = response.strip()
+    return "您" in text and "你" not in text.replace("您", "") and text.endswith("。")
+
+
+def formal_rows(n: int = 600, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        p, q = PLACES[k % len(PLACES)], (k // len(PLACES)) % len(ASKS)
+        num = rng.randint(2, 20)
+        fact = ZH_FACTS[q].format(p=p, n=num)
+        rows.append({"question": ASKS[q].format(p=p), "chosen": f"{rng.choice(FORMAL)}{fact}，请您留意。",
+                     "rejected": f"{rng.choice(CASUAL)}{fact}，你自己看着办啦"})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
@@ -58,4 +87,5 @@ if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "cheerful_en.jsonl", cheerful_rows())
-    print(out / "cheerful_en.jsonl")
+    write_jsonl(out / "formal_zh.jsonl", formal_rows())
+    print(out / "cheerful_en.jsonl", out / "formal_zh.jsonl")
