@@ -203,6 +203,7 @@ def run_stage(cfg) -> dict | None:
             schema.check_inputs(cfg)
             if command in NEEDS_DATA:
                 data.check_files(cfg.data)  # before the stage's imports, which take seconds
+                data.check_held_out(cfg)
             started = True
             rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:

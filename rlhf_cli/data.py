@@ -95,6 +95,7 @@ def check_files(data_cfg) -> None:
     imports its libraries (seconds of torch / transformers / trl): a missing, unreadable or malformed file is
     one line at once rather than after them. Hub datasets are left to the stage (loading one needs `datasets`);
     the stage's checks that depend on what it trains (rejected answers, ties) stay with it."""
+    same_files(data_cfg.get("train_path"), data_cfg.get("eval_path"))
     for path in (data_cfg.get("train_path"), data_cfg.get("eval_path")):
         if not path or is_hub_name(str(path)):
             continue
@@ -105,6 +106,38 @@ def check_files(data_cfg) -> None:
             to_examples(rows, data_cfg.format, str(path), data_cfg.get("system_prompt"))
         finally:
             log.setLevel(previous)
+
+
+# what each command measures on held-out rows (PPO only while ppo.eval_every > 0)
+_HELD_OUT_USE = {"sft": "rlhf sft measures its eval loss on them", "reward": "rlhf reward measures its eval "
+                 "accuracy on them", "dpo": "rlhf dpo measures its eval loss and accuracy on them",
+                 "eval": "rlhf eval compares the policies on them",
+                 "ppo": "ppo.eval_every evaluates on them (ppo.eval_every=0 turns that off)"}
+
+
+def check_held_out(cfg) -> None:
+    """`data.eval_ratio=0` without `data.eval_path` holds no rows out: one line where the command needs them."""
+    d, command = cfg.data, str(cfg.command)
+    if d.get("eval_path") or float(d.get("eval_ratio") or 0) > 0 or command not in _HELD_OUT_USE:
+        return
+    if command == "ppo" and not int(cfg.ppo.eval_every):
+        return
+    raise RlhfError(f"data.eval_ratio=0 holds no rows out, and {_HELD_OUT_USE[command]}: give data.eval_path, or "
+                    "data.eval_ratio above 0")
+
+
+def same_files(train_path, eval_path) -> None:
+    """An eval file that is the train file (the same path, or the same bytes) is refused: its "held-out" metrics
+    would be measured on training rows."""
+    if not train_path or not eval_path:
+        return
+    t, e = Path(str(train_path)).expanduser(), Path(str(eval_path)).expanduser()
+    if not (t.is_file() and e.is_file()):
+        return
+    if t.resolve() == e.resolve() or (t.stat().st_size == e.stat().st_size and t.read_bytes() == e.read_bytes()):
+        raise RlhfError(f"data.eval_path={eval_path} holds the same rows as data.train_path={train_path}, so "
+                        "held-out metrics would be measured on training rows; give another eval file, or "
+                        "data.eval_path=null to hold data.eval_ratio of the train file out")
 
 
 def _read_text(p: Path) -> str:
@@ -302,7 +335,8 @@ def load_examples(data_cfg, need_rejected: bool = True,
     else:
         idx = list(range(len(train)))
         random.Random(int(data_cfg.split_seed)).shuffle(idx)
-        n_eval = max(1, int(round(len(train) * float(data_cfg.eval_ratio)))) if len(train) > 1 else 0
+        ratio = float(data_cfg.eval_ratio)  # 0: no held-out rows at all
+        n_eval = max(1, int(round(len(train) * ratio))) if len(train) > 1 and ratio > 0 else 0
         evals = [train[i] for i in idx[:n_eval]]
         train = [train[i] for i in idx[n_eval:]]
     if need_rejected:

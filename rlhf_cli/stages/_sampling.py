@@ -13,7 +13,12 @@ def prompts(cfg, tok, split: str, limit: int | None = None) -> tuple[list[str], 
     train, evals = D.load_examples(cfg.data, need_rejected=False, need_answers=False)
     examples = train if split == "train" else evals
     if split == "eval" and not examples:
-        raise RlhfError("no held-out prompts: set data.eval_path or data.eval_ratio > 0")
+        d = cfg.data
+        why = "data.eval_ratio=0 holds no rows out" if not d.eval_path and not float(d.eval_ratio) else \
+            "the eval split is empty"
+        need = ("ppo.eval_every evaluates on them (ppo.eval_every=0 turns that off)" if cfg.command == "ppo"
+                else f"rlhf {cfg.command} measures on them")
+        raise RlhfError(f"no held-out prompts ({why}), and {need}: give data.eval_path, or data.eval_ratio above 0")
     source = str(cfg.data.train_path) if split == "train" else "eval split"
     thinking, templ = bool(cfg.model.enable_thinking), bool(cfg.data.chat_template)
     examples = D.filter_long_prompts(examples, tok, int(cfg.data.max_prompt_length), source, thinking, templ)
