@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -86,7 +87,8 @@ def test_ppo_first_update_kl_is_zero_and_outputs_load(chain):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"checkpoint-{i}" for i in (2, 3)]
     from peft import AutoPeftModelForCausalLM
 
-    AutoPeftModelForCausalLM.from_pretrained(str(out))  # adapter + base recorded by absolute path
+    with contextlib.chdir(out):  # the base is recorded relative to the adapter (../sft): no machine path
+        AutoPeftModelForCausalLM.from_pretrained(".")
     assert (out / "value" / "config.json").exists()
     assert not (out.parent / ".ppo.partial").exists()
 

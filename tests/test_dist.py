@@ -263,7 +263,8 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
         assert key in m and m[key] == m[key]  # present and not NaN
     assert (run / "ppo" / "checkpoints" / "checkpoint-2" / "trainer_state.json").is_file()
     assert list((run / "ppo" / "tensorboard").iterdir())
-    AutoPeftModelForCausalLM.from_pretrained(run / "ppo")
+    with contextlib.chdir(run / "ppo"):  # the base is recorded relative to the adapter
+        AutoPeftModelForCausalLM.from_pretrained(".")
     # an interrupted 2-process run (killed after checkpoint 1) resumes on 2 processes and ends as the whole run
     out = run / "ppo-resumed"
     rc, _, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.save_every=1",

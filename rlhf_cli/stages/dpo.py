@@ -29,6 +29,7 @@ from pathlib import Path
 from rlhf_cli import gpu_memory
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.launch import is_sharded
 from rlhf_cli.models import load_causal_lm, load_tokenizer, lora_config, resolve_precision, setup_torch
@@ -147,6 +148,7 @@ def run(cfg) -> None:
                        "beta": float(d.beta), "rpo_alpha": d.rpo_alpha, "resumed_from": ckpt.resumed_step,
                        **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
+            write_card(out, cfg, "dpo")
             ckpt.finish(out)
     ckpt.drop()
     acc, margin = ev.get("eval_rewards/accuracies"), ev.get("eval_rewards/margins")

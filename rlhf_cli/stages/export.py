@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from rlhf_cli.cards import write_card
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import atomic_dir, check_output_dir
@@ -28,5 +29,6 @@ def run(cfg) -> None:
     with atomic_dir(target, "export", [ppo_dir, base_dir]) as out:
         model.save_pretrained(str(out))
         tok.save_pretrained(str(out))
+        write_card(out, cfg, "export", after=ppo_dir)
     log.info("export: wrote the merged policy to %s", target)
     print(f"merged model: {target}")

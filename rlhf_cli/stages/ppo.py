@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlhf_cli import accel, devices, resume
+from rlhf_cli import accel, cards, devices, resume
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import publish, write_json
@@ -115,6 +115,8 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     with shard.whole(trainer.unwrapped, trainer.value_model()):  # sharded: gathered by every process
         if acc.is_main_process:
             write_outputs(trainer, tok, work, cfg, time.perf_counter() - t_start)
+            write_cards(work, cfg, {"train_prompts": len(prompts),
+                                    "eval_prompts": len(held_out[0]) if held_out is not None else None})
             writer.close()
             publish(work, out, "ppo")
             log.info(final_line(trainer.progress.update, trainer.progress.episodes, time.perf_counter() - t_run,
@@ -135,6 +137,15 @@ def _held_out(cfg, tok, eval_every: int):
                         f"data.max_prompt_length={cfg.data.max_prompt_length}; raise it, give other held-out "
                         "data (data.eval_path), or set ppo.eval_every=0")
     return held_out
+
+
+def write_cards(work: Path, cfg, rows: dict) -> None:
+    """The model cards of the run (rlhf_cli.cards): the policy's, then best/'s and merged/'s where they are."""
+    cards.write_card(work, cfg, "ppo", rows)
+    if (work / "best").is_dir():
+        cards.write_card(work / "best", cfg, "best", rows)
+    if (work / "merged").is_dir():
+        cards.write_card(work / "merged", cfg, "export", after=work)
 
 
 def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from rlhf_cli import devices, gpu_memory
 from rlhf_cli.config import require_dir
+from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.learned import reward_warning
 from rlhf_cli.models import base_model_dir, load_seq_cls, load_tokenizer, resolve_precision, setup_torch
@@ -120,6 +121,7 @@ def run(cfg) -> None:
                        "score_mean": stats["mean"], "score_std": stats["std"], "resumed_from": ckpt.resumed_step,
                        **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
+            write_card(out, cfg, "reward")
             ckpt.finish(out)
     ckpt.drop()
     acc, margin = ev.get("eval_accuracy"), ev.get("eval_margin")

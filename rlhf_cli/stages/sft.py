@@ -17,6 +17,7 @@ import torch
 
 from rlhf_cli import data as D
 from rlhf_cli import gpu_memory
+from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.learned import answer_check, sft_warning
 from rlhf_cli.models import (
@@ -129,6 +130,7 @@ def run(cfg) -> None:
                        "resumed_from": ckpt.resumed_step, **answers,
                        **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
+            write_card(out, cfg, "sft")
             ckpt.finish(out)
     ckpt.drop()
     log.info("sft: eval loss %s -> %s in %d steps (%.1f s); wrote %s",
