@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")          # model.dtype: stor
 DATA_FORMATS = ("seed", "prompt", "conversational", "messages")   # data.format, besides auto (rlhf_cli.data)
 GROUND_TRUTH_SPECS = {"demo_polite": "rlhf_cli.demo:is_polite"}  # data.ground_truth's built-in names
 GROUND_TRUTH = tuple(GROUND_TRUTH_SPECS)
+PUSH_HUBS = ("hf", "modelscope")                             # push.hub (rlhf_cli.stages.push)
 
 # ---- device
 ACCELERATORS = ("cpu", "cuda")                               # device.accelerator

@@ -43,6 +43,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("eval", "SFT vs PPO on held-out prompts, plots          reads sft + reward + ppo, writes <run_dir>/eval", needs_data=True, output=True, legacy_dirs=("eval",)),
     Stage("chat", "answer prompts from stdin, or prompt=\"...\" once"),
     Stage("export", "write the PPO policy as a merged full model    writes <run_dir>/ppo/merged", output=True, legacy_dirs=("merged", "export")),
+    Stage("push", "upload a published model and its card to a hub  reads push.dir (push.dry_run: list it)"),
     Stage("doctor", "versions, devices, hub reachability and a memory plan for a recipe"),
 )
 BY_NAME = {s.name: s for s in STAGES}
