@@ -51,7 +51,7 @@ def duration(seconds: float) -> str:
     """`42.0 s`, `3 min 05 s`, `2 h 07 min`: a wall time as a person reads it."""
     if seconds < 60:
         return f"{seconds:.1f} s"
-    minutes, sec = divmod(int(round(seconds)), 60)
+    minutes, sec = divmod(round(seconds), 60)
     if minutes < 60:
         return f"{minutes} min {sec:02d} s"
     return f"{minutes // 60} h {minutes % 60:02d} min"
