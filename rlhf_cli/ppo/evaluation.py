@@ -191,7 +191,17 @@ def read_best(path: Path) -> dict | None:
     from rlhf_cli.io import read_json
 
     file = Path(path) / BEST_FILE
-    return read_json(file) if file.is_file() else None
+    if not file.is_file():
+        return None
+    try:
+        best = read_json(file)
+    except (OSError, ValueError) as e:
+        raise RlhfError(f"{file} is unreadable ({type(e).__name__}); delete {Path(path)} (the best update so far is "
+                        "then chosen again from here on), or start over with ppo.fresh=true") from e
+    if not isinstance(best, dict):
+        raise RlhfError(f"{file} is not a JSON object; delete {Path(path)} (the best update so far is then chosen "
+                        "again from here on), or start over with ppo.fresh=true")
+    return best
 
 
 def write_best(path: Path, policy, value_model, tok, record: dict, root: Path) -> None:

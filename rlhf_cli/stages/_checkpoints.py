@@ -57,16 +57,49 @@ def safe_loading() -> Iterator[None]:
 def _no_pickled_args_class():
     from transformers import TrainerCallback
 
+    from rlhf_cli.ppo.checkpoint import write_checksums
+
     class NoPickledArgs(TrainerCallback):
         """Deletes training_args.bin (torch.save of the TrainingArguments object: loading it would unpickle
-        arbitrary classes) from each checkpoint; a resumed run takes its arguments from the config."""
+        arbitrary classes) from each checkpoint; a resumed run takes its arguments from the config. Then writes
+        the checksums of the checkpoint's files (checked before it is resumed: `check_checkpoint`)."""
 
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
-                (Path(args.output_dir) / f"checkpoint-{state.global_step}" / "training_args.bin").unlink(
-                    missing_ok=True)
+                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                (ckpt / "training_args.bin").unlink(missing_ok=True)
+                if ckpt.is_dir():
+                    write_checksums(ckpt)
 
     return NoPickledArgs
+
+
+def check_checkpoint(stage: str, ckpt: Path, model) -> None:
+    """Everything `ckpt` holds, checked before the trainer loads any of it, each failure one line naming the file
+    and what to do: every .pt / .pth file loads without pickle (the trainer's optimizer, scheduler and RNG
+    state), every file matches its checksum, and the weights file holds exactly the keys and shapes of `model`
+    (transformers would load a foreign file non-strictly and train on from the base weights)."""
+    import pickle
+
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    from rlhf_cli.ppo import checkpoint as C
+
+    fix = f"delete {ckpt} to resume from an earlier checkpoint, or start over with {stage}.fresh=true"
+    for file in sorted([*ckpt.glob("*.pt"), *ckpt.glob("*.pth")]):
+        try:
+            with safe_loading(), safe_globals():  # numpy's RNG state, as the trainer allows it
+                torch.serialization.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # torch's own message advises weights_only=False
+            raise RlhfError(f"{stage}.resume=true: a file in {ckpt} holds pickled objects, which rlhf does not load "
+                            f"(torch.load(weights_only=True) refused {file.name}); {fix}") from e
+        except Exception as e:  # noqa: BLE001 - truncated or not a torch file: one line naming it
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise RlhfError(f"{stage}.resume=true: checkpoint file {file} is unreadable ({first}); {fix}") from e
+    C.verify_checksums(ckpt)
+    if C.weights_file(model, ckpt).is_file() or not (ckpt / "model.safetensors.index.json").is_file():
+        C.read_weights(model, ckpt, ckpt)
 
 
 class Checkpoints:
@@ -102,10 +135,8 @@ class Checkpoints:
         found = R.latest_checkpoint(work)
         token = uuid.uuid4().hex
         main = process_rank()[0] == 0
-        if resume:
+        if resume:  # the run is taken over (run.json's "run") once its checkpoint is checked (`train`)
             cls._check_resume(cfg, stage, out, work, found, shape)
-            if main:
-                write_json(work / R.RUN_FILE, {**read_json(work / R.RUN_FILE), "run": token})
             return cls(stage, work, found, token)
         R.refuse_interrupted(stage, work, found, fresh)
         if main:
@@ -169,6 +200,8 @@ class Checkpoints:
         import pickle
 
         log.info("%s: resuming from %s", self.stage, self.resume_from)
+        check_checkpoint(self.stage, self.resume_from, trainer.accelerator.unwrap_model(trainer.model))
+        self.remember(run=self.token)
         try:
             with safe_loading():
                 return trainer.train(resume_from_checkpoint=str(self.resume_from))
