@@ -72,7 +72,7 @@ chat: install ## chat with the newest trained policy (PPO, else SFT; ARGS="chat.
 test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs), TEST_WORKERS processes
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
-test-fast: install ## unit tests only: none that starts rlhf as a process (markers cli, slow, dist)
+test-fast: install ## unit tests only: none that runs an rlhf command (markers cli, slow, dist)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=10 -m "not slow and not dist and not cli"
 
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from clitools import rlhf
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read once, at import, by huggingface_hub: the in-process CLI is offline too
 
 try:
     import torch
@@ -21,20 +24,16 @@ except ImportError:  # pragma: no cover
 if torch is not None:
     torch.set_num_threads(1)
 
-RLHF = Path(sys.executable).with_name("rlhf")
 
 
 @pytest.fixture
 def run_cli(tmp_path):
     """`run_cli(*args, cwd=None, timeout=1500, stdin="")` -> (returncode, stdout, stderr) of the real `rlhf`
-    console script, started in `cwd` (default: the test's empty tmp_path), one thread, no hub access."""
+    command in `cwd` (default: the test's empty tmp_path), one thread, no hub access (clitools.rlhf: in this
+    process, or the console script with RLHF_TEST_CLI=process)."""
 
     def run(*args: str, cwd: str | Path | None = None, timeout: float = 1500, stdin: str = ""):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                   HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        exe = [str(RLHF)] if RLHF.exists() else [sys.executable, "-m", "rlhf_cli.cli"]
-        proc = subprocess.run([*exe, *map(str, args)], cwd=str(cwd or tmp_path), env=env, input=stdin,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = rlhf(Path(cwd or tmp_path), *args, timeout=timeout, stdin=stdin)
         return proc.returncode, proc.stdout, proc.stderr
 
     return run

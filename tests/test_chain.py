@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from clitools import rlhf
 
 RLHF = Path(sys.executable).with_name("rlhf")
 pytestmark = pytest.mark.slow
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.slow
 QUICK = ["device.threads=1", "sft.max_steps=120", "sft.eval_steps=60", "reward.max_steps=80",
          "reward.eval_steps=40", "ppo.total_episodes=96", "ppo.num_mini_batches=1", "ppo.save_every=1",
          "eval.num_prompts=32"]
-
-
-def rlhf(cwd: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    return subprocess.run([str(RLHF), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -150,9 +145,8 @@ def test_value_model_starts_in_normalised_score_units(chain):
 def test_chat_answers_once_and_from_stdin(chain):
     one = ok(rlhf(chain, "chat", "prompt=你好", "chat.max_new_tokens=16"))
     assert one.stdout.strip()
-    proc = subprocess.run([str(RLHF), "chat", "chat.model_dir=runs/tiny/ppo", "chat.max_new_tokens=8"], cwd=chain,
-                          input="hello\nhow are you?\n", capture_output=True, text=True, timeout=1500,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = rlhf(chain, "chat", "chat.model_dir=runs/tiny/ppo", "chat.max_new_tokens=8",
+                stdin="hello\nhow are you?\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len([ln for ln in proc.stdout.splitlines() if ln.strip()]) == 2
 

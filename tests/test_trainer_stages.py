@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from clitools import rlhf
 
 from rlhf_cli.config import compose
 from rlhf_cli.errors import RlhfError
@@ -23,8 +21,6 @@ from rlhf_cli.stages._common import (
     require_finite_weights,
     training_precision,
 )
-
-RLHF = Path(sys.executable).with_name("rlhf")
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +152,6 @@ def test_non_finite_values_are_one_line_errors_naming_the_learning_rate():
 
 
 # ------------------------------------------------------------------------------------- the real CLI, NaN
-def rlhf(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    exe = [str(RLHF)] if RLHF.exists() else [sys.executable, "-m", "rlhf_cli.cli"]
-    return subprocess.run([*exe, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
-
-
 def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
