@@ -466,6 +466,26 @@ def _adapter_base(path: Path, fallback) -> Path:
                     f"{fallback}); set ppo.policy_dir to the SFT model it was trained on")
 
 
+def check_adapter_base(adapter: Path, base: Path, model_cfg=None) -> None:
+    """The adapter at `adapter` was trained on the content `base` holds now (the identity its adapter_base.json
+    records, `rlhf_cli.identity`), unless `model.adapter_base_check=false`; an adapter that records none (an older
+    rlhf, or another tool) is not checked."""
+    from rlhf_cli.identity import identity
+    from rlhf_cli.io import read_json
+
+    if model_cfg is not None and not model_cfg.get("adapter_base_check", True):
+        return
+    try:
+        recorded = read_json(adapter / "adapter_base.json").get("identity")
+    except (OSError, ValueError, AttributeError):
+        return
+    now = identity(base)
+    if recorded and now and recorded != now:
+        raise RlhfError(f"the adapter at {adapter} was trained on a base of content {recorded}, but {base} now holds "
+                        f"{now} (retrained since?); retrain the adapter on it, point the config at the base it was "
+                        "trained on, or set model.adapter_base_check=false to load it anyway")
+
+
 def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: bool = False, check: bool = True):
     """The one way to load a policy: a plain model directory, or a LoRA adapter on top of its base (the base
     it records, a relative one read against the adapter's directory, else `base_dir`: `_adapter_base`). An SFT
@@ -480,7 +500,9 @@ def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: 
     else:
         from peft import PeftModel
 
-        base = load_policy(_adapter_base(path, base_dir), dtype, model_cfg, merge=True, check=False)
+        base_path = _adapter_base(path, base_dir)
+        check_adapter_base(path, base_path, model_cfg)
+        base = load_policy(base_path, dtype, model_cfg, merge=True, check=False)
         model = PeftModel.from_pretrained(base, str(path))
         if merge:
             model = merge_lora(model)

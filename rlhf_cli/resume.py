@@ -24,7 +24,7 @@ RUN_FILE = "run.json"  # in a trainer stage's partial directory: the run's owner
 # saves, and the resume switches themselves
 NOT_SHAPING = ("resume", "fresh", "output_dir", "save_steps", "save_total_limit", "logging_steps", "eval_steps",
                "per_device_eval_batch_size")
-NOT_SHAPING_ELSEWHERE = ("model.cache_dir", "model.offline", "model.hub")
+NOT_SHAPING_ELSEWHERE = ("model.cache_dir", "model.offline", "model.hub", "model.adapter_base_check")
 UNSET = "(unset)"
 
 
@@ -110,8 +110,7 @@ def ppo_record(cfg) -> dict:
     paths = ("ppo.policy_dir", "ppo.reward_dir", "ppo.value_init", "model.name_or_path", "model.tiny.dir")
     not_shaping = ("ppo.reward_timeout_s", "ppo.reward_retries", "ppo.reward_max_abs", "ppo.merge",
                    "ppo.rollout_forward_batch_size", "ppo.activation_checkpointing", "ppo.save_every", "ppo.save_total_limit",
-                   "ppo.sample_every", "ppo.eval_every", "ppo.keep_best", "ppo.first_update_kl_tolerance",
-                   "model.adapter_base_check")
+                   "ppo.sample_every", "ppo.eval_every", "ppo.keep_best", "ppo.first_update_kl_tolerance")
     return {k: v for k, v in rec.items() if k not in paths + not_shaping}
 
 

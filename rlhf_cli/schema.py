@@ -173,6 +173,8 @@ SCHEMA: dict[str, Rule] = {
     "model.attn_implementation": text(null=True, help="a kernel the library refuses fails at load, named"),
     "model.pad_token": text(null=True),
     "model.enable_thinking": flag(),
+    "model.adapter_base_check": flag(help="false: load an adapter onto a base whose content changed since it was "
+                                          "trained (rlhf_cli.identity)"),
     "model.tiny.dir": text(),
     "model.tiny.seed": whole(0),
     "model.tiny.vocab_size": whole(260, help="256 byte tokens + the 4 special tokens (rlhf_cli.tiny)"),

@@ -122,3 +122,13 @@ def test_force_continues_with_the_new_kl_coef(run_cli, run):
     assert "the KL controller restarts at kl_coef=0.2" in out + err
     metrics = json.loads((cwd / "runs" / "tiny" / "ppo" / "metrics.json").read_text())
     assert metrics["kl_coef"] == 0.2, metrics
+
+
+def test_a_retrained_sft_model_is_named_on_resume(run_cli, run):
+    cwd, args = run
+    rc, _, err = run_cli("sft", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3", "run_dir=runs/tiny",
+                         cwd=cwd)
+    assert rc == 0, err[-3000:]
+    line = refused(run_cli, cwd, *args, "ppo.resume=true")
+    assert line.startswith("rlhf ppo: error: ppo.resume: ppo.policy_dir identity was "), line
+    assert line.endswith("or ppo.resume=force to continue it with the new values"), line

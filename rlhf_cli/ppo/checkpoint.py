@@ -78,13 +78,21 @@ BASE_FILE = "adapter_base.json"  # beside adapter_config.json: the base relative
 def _record_base(adapter: Path, root: Path) -> None:
     """adapter_config.json keeps peft's absolute `base_model_name_or_path` (plain peft loads the adapter from any
     working directory while the run stays where it is); `adapter_base.json` adds the base relative to the adapter
-    when it lies inside `root`, which rlhf follows first, so a copied or moved run still loads."""
+    when it lies inside `root`, which rlhf follows first, so a copied or moved run still loads, and the base's
+    content identity, which `rlhf_cli.models.load_policy` checks."""
+    from rlhf_cli.identity import identity
+
     conf = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
     base = conf.get("base_model_name_or_path")
+    record = {}
     if base and Path(base).is_absolute():
         rel = portable_path(base, adapter, root)
         if rel != base:
-            (adapter / BASE_FILE).write_text(json.dumps({"relative": rel}) + "\n", encoding="utf-8")
+            record["relative"] = rel
+    if identity(base) is not None:  # the base's content (rlhf_cli.identity), checked when the adapter is loaded
+        record["identity"] = identity(base)
+    if record:
+        (adapter / BASE_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
 
 
 def weights_file(model, path: Path) -> Path:
