@@ -92,7 +92,10 @@ def test_lora_dpo_publishes_an_adapter_that_eval_reports_against_sft(chain):
     out = cwd / "runs" / "tiny-dpo" / "dpo"
     assert "dpo: held-out preference accuracy" in dpo.stdout
     assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
-    assert json.loads((out / "adapter_base.json").read_text()) == {"relative": "../sft"}  # a moved run loads
+    from rlhf_cli.identity import identity
+
+    assert json.loads((out / "adapter_base.json").read_text()) == {"relative": "../sft",  # a moved run loads
+                                                                   "identity": identity(out.parent / "sft")}
     assert (out / "tokenizer.json").is_file() and (out / "tensorboard").is_dir()
     assert not (out.parent / ".dpo.partial").exists()  # checkpoints go once the output is published
     m = json.loads((out / "metrics.json").read_text())

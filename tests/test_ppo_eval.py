@@ -259,7 +259,10 @@ def test_rlhf_ppo_keeps_best_and_eval_chat_export_take_it(run_cli, tmp_path):
                                                                                      "eval 3/3 held-out"]
     kept = json.loads((ppo / "best" / "best.json").read_text())
     # the base is recorded relative to the run directory: the run can move
-    assert json.loads((ppo / "best" / "adapter_base.json").read_text()) == {"relative": "../../base"}
+    from rlhf_cli.identity import identity
+
+    assert json.loads((ppo / "best" / "adapter_base.json").read_text()) == {"relative": "../../base",
+                                                                            "identity": identity(base)}
     assert kept["update"] in (2, 3) and kept["metric"] == "eval/kl"
     metrics = json.loads((ppo / "metrics.json").read_text())
     assert metrics["best"]["update"] == kept["update"] and "eval/ground_truth_rate" in metrics
