@@ -114,15 +114,18 @@ def ppo_record(cfg) -> dict:
     return {k: v for k, v in rec.items() if k not in paths + not_shaping}
 
 
-def model_identities(cfg, stage: str) -> dict:
+def model_identities(cfg, stage: str, tiny_base: bool = True) -> dict:
     """{"<key> identity": ...} of the model directories a `stage` run starts from (`rlhf_cli.identity`): its
-    policy / reference / reward / init directories, and the base model where it is a local directory."""
+    policy / reference / reward / init directories, and the base model where it is a local directory.
+    `tiny_base=False` leaves out the tiny base, which a stage may build only after its record is written (it is
+    made from the seed and the data, which the record holds)."""
     from rlhf_cli.identity import identity
     from rlhf_cli.tiny import is_tiny_spec
 
-    base = "model.tiny.dir" if is_tiny_spec(str(cfg.model.name_or_path)) else "model.name_or_path"
+    tiny = is_tiny_spec(str(cfg.model.name_or_path))
     keys = [f"{stage}.{k}" for k in ("policy_dir", "reward_dir", "value_init", "init_from") if k in cfg[stage]]
-    keys.append(base)
+    if tiny_base or not tiny:
+        keys.append("model.tiny.dir" if tiny else "model.name_or_path")
     out = {}
     for key in keys:
         value = identity(OmegaConf.select(cfg, key))

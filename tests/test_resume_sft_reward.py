@@ -232,3 +232,36 @@ def test_resume_reads_checkpoint_files_with_weights_only_and_refuses_a_pickle(tm
     ckpt, trainer = sft_run(tmp_path, tiny_base, "sft.resume=true")
     with pytest.raises(RlhfError, match=r"checkpoint-4 holds pickled objects, which rlhf does not load"):
         ckpt.train(trainer)
+
+
+@slow
+def test_a_reward_resume_onto_a_retrained_sft_names_its_identity(whole, tmp_path):
+    """The reward run started from an SFT model that was retrained since (same path, other weights): the resume
+    is one line naming reward.init_from's identity, and the interrupted run is left as it was."""
+    import hashlib
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    init = tmp_path / "sft-model"
+    shutil.copytree(whole / "runs" / "tiny" / "sft", init)
+    args = [*SMALL, f"model.tiny.dir={whole / 'runs' / 'tiny' / 'base'}", f"reward.init_from={init}"]
+    partial = tmp_path / "runs" / "tiny" / ".reward.partial"
+    proc = start(tmp_path, "reward", *args)
+    wait_for_checkpoint(proc, partial, EVERY)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    tensors = load_file(str(init / "model.safetensors"))
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in tensors.items()},
+              str(init / "model.safetensors"), metadata={"format": "pt"})
+    assert not torch.equal(next(iter(tensors.values())), next(iter(load_file(str(init / "model.safetensors")).values())))
+
+    def tree() -> dict:
+        return {str(f.relative_to(partial)): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(partial.rglob("*")) if f.is_file()}
+
+    before = tree()
+    line = error_line(rlhf(tmp_path, "reward", *args, "reward.resume=true"))
+    assert "reward.init_from identity was" in line and "reward.fresh=true" in line, line
+    assert tree() == before

@@ -129,7 +129,7 @@ class Checkpoints:
         s = cfg[stage]
         out = Path(s.output_dir)
         work = R.partial_dir(out)
-        shape = R.run_config(cfg, stage)
+        shape = {**R.run_config(cfg, stage), **R.model_identities(cfg, stage, tiny_base=False)}
         resume, fresh = bool(s.resume), bool(s.fresh)
         R.check_switches(stage, resume, fresh)
         found = R.latest_checkpoint(work)
