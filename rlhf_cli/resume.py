@@ -28,6 +28,9 @@ NOT_SHAPING_ELSEWHERE = ("model.cache_dir", "model.offline", "model.hub", "model
 UNSET = "(unset)"
 
 
+MANIFEST = "checksums.json"  # a checkpoint's sha256 of its files, written once all of them are
+
+
 def partial_dir(output_dir) -> Path:
     """`.<name>.partial` beside a stage's output: the checkpoints, TensorBoard events and run record of a run that
     has not finished. io.atomic_dir's `.tmp-<pid>` (the output being assembled) goes with its process; this one
@@ -43,10 +46,14 @@ def _step(path: Path) -> int | None:
 
 def latest_checkpoint(directory: Path) -> Path | None:
     """The highest transformers `checkpoint-N` under `directory` that was written to the end, or None. The trainer
-    writes trainer_state.json last, so a checkpoint cut off by a kill (no readable state, or another step's) is
-    passed over."""
+    writes trainer_state.json last and rlhf its MANIFEST after that, so a checkpoint cut off by a kill (no
+    MANIFEST, and no readable state or another step's) is passed over; one with a MANIFEST is complete, and damage
+    to it is named when it is checked."""
     found = []
     for path in directory.glob("checkpoint-*") if directory.is_dir() else ():
+        if _step(path) is not None and (path / MANIFEST).is_file():
+            found.append((_step(path), path))
+            continue
         try:
             state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -109,8 +116,8 @@ def ppo_record(cfg) -> dict:
     rec = run_config(cfg, "ppo")
     paths = ("ppo.policy_dir", "ppo.reward_dir", "ppo.value_init", "model.name_or_path", "model.tiny.dir")
     not_shaping = ("ppo.reward_timeout_s", "ppo.reward_retries", "ppo.reward_max_abs", "ppo.merge",
-                   "ppo.rollout_forward_batch_size", "ppo.activation_checkpointing", "ppo.save_every", "ppo.save_total_limit",
-                   "ppo.sample_every", "ppo.eval_every", "ppo.keep_best", "ppo.first_update_kl_tolerance")
+                   "ppo.rollout_forward_batch_size", "ppo.activation_checkpointing", "ppo.save_every",
+                   "ppo.save_total_limit", "ppo.sample_every", "ppo.eval_every", "ppo.keep_best", "ppo.first_update_kl_tolerance")
     return {k: v for k, v in rec.items() if k not in paths + not_shaping}
 
 

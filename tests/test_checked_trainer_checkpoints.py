@@ -74,6 +74,16 @@ def test_flipped_bytes_are_named(run_cli, run):
                                      "one")
 
 
+def test_a_garbage_trainer_state_is_named_not_passed_over(run_cli, run):
+    """A complete checkpoint (its checksums written) whose trainer_state.json was damaged afterwards is named, not
+    skipped for an earlier one without a word."""
+    cwd, ckpt = run
+    (ckpt / "trainer_state.json").write_text("{garbage", encoding="utf-8")
+    assert refused(run_cli, cwd) == (f"rlhf sft: error: checkpoint {ckpt.relative_to(cwd)} is damaged "
+                                     "(trainer_state.json checksum mismatch); delete it to resume from the previous "
+                                     "one")
+
+
 def test_a_weights_file_with_other_tensors_is_refused_before_it_loads(run_cli, run):
     import torch
     from safetensors.torch import save_file

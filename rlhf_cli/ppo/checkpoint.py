@@ -35,7 +35,7 @@ log = logging.getLogger("rlhf")
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
-MANIFEST = "checksums.json"
+MANIFEST = resume.MANIFEST
 # the fields of STATE_JSON that `load` reads ("metrics" and "config" are optional: older checkpoints lack them)
 STATE_FIELDS = ("update", "episodes", "scheduler", "kl_ctl", "prompts_consumed", "optimizer", "rng")
 # run-config keys that fix the shapes of the saved weights: ppo.resume=force cannot continue across them
