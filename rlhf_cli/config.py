@@ -41,7 +41,7 @@ log = logging.getLogger("rlhf")
 def register_resolvers() -> None:
     """`${pkg:demo/data/x.jsonl}` -> an absolute path inside the installed package; `${demo_only:...}` (below);
     `${job_dir_name:N,OVERRIDES}` -> the directory name of multirun job N (conf/config.yaml,
-    hydra.sweep.subdir); `${run_name:RECIPE,TRAIN_PATH}` -> run_dir's name (rlhf_cli.own_data.run_name)."""
+    hydra.sweep.subdir); `${run_name:RECIPE,TRAIN_PATH}` -> run_dir's name (`run_name`)."""
     if not OmegaConf.has_resolver("pkg"):
         OmegaConf.register_new_resolver("pkg", lambda rel: str(PACKAGE_DIR / rel))
     if not OmegaConf.has_resolver("job_dir_name"):
@@ -49,12 +49,27 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("demo_only"):
         OmegaConf.register_new_resolver("demo_only", demo_only)
     if not OmegaConf.has_resolver("run_name"):
-        from rlhf_cli.own_data import run_name
-
         OmegaConf.register_new_resolver("run_name", run_name)
 
 
 DEMO_TRAIN = "demo/data/polite_train.jsonl"
+
+
+def shipped(path) -> bool:
+    """A data file shipped with rlhf (rlhf_cli/demo/data: the demo's, tiny-math's): the demo tokenizer covers it
+    and its recipe names its own run directory."""
+    return Path(str(path)).expanduser().resolve().parent == PACKAGE_DIR / "demo" / "data"
+
+
+def run_name(recipe, train_path) -> str:
+    """`${run_name:${recipe},${data.train_path}}`: the recipe's name, with the training file's stem added when it
+    is not the demo's (runs/tiny-my_pairs for data.train_path=my_pairs.jsonl)."""
+    if not train_path or demo_only(train_path, True) or shipped(train_path):
+        return str(recipe)
+    stem = Path(str(train_path).rstrip("/")).name.split(".")[0]
+    stem = re.sub(r"[^\w.-]", "_", stem).strip("._") or "data"
+    return f"{recipe}-{stem}"
+
 
 
 def demo_only(train_path, value):

@@ -19,11 +19,8 @@ import logging
 import math
 from pathlib import Path
 
-from rlhf_cli.errors import RlhfError
-
 log = logging.getLogger("rlhf")
 
-ANSWER_PROMPTS = 32    # held-out prompts SFT answers for its check
 SFT_MIN_EOS_RATE = 0.8  # share of those answers that end with the stop token
 SFT_MIN_GROUND_TRUTH = 0.5  # share that pass data.ground_truth, relative to the data's answers for those prompts
 REWARD_MIN_ACCURACY = 0.75
@@ -35,7 +32,7 @@ GAMING_GT_DROP = 0.1      # ... while the ground-truth rate falls by this much, 
 
 def sft_warning(metrics: dict) -> str | None:
     """The warning for an SFT run's metrics.json (None: it learned, or nothing was sampled): its held-out answers
-    (`answer_check`) rarely end, or rarely pass the checker."""
+    (`rlhf_cli.stages._sampling.answer_check`) rarely end, or rarely pass the checker."""
     eos, gt = metrics.get("answers_eos_rate"), metrics.get("answers_ground_truth_rate")
     floor = SFT_MIN_GROUND_TRUTH * (metrics.get("data_ground_truth_rate") or 0.0)
     if eos is not None and eos < SFT_MIN_EOS_RATE:
@@ -48,50 +45,6 @@ def sft_warning(metrics: dict) -> str | None:
     return (f"sft did not learn the answers: {what} after {metrics.get('steps')} steps (eval loss "
             f"{_num(metrics.get('eval_loss_end'))}); PPO would start from a policy that writes noise: train longer "
             "(sft.num_train_epochs=N) or start from a pretrained model (model.name_or_path=Qwen/Qwen3-0.6B)")
-
-
-def answer_check(model, tok, cfg, n: int = ANSWER_PROMPTS) -> dict:
-    """Sample one answer to each of the first `n` held-out prompts (training prompts after them where there are
-    fewer) with the eval settings (`eval.*`; seeded, the caller's random stream left as it was): the share that
-    end with the stop token and, with a checker (`data.ground_truth`), the share that pass it and the share of
-    the data's own answers to those prompts that do."""
-    import torch
-
-    from rlhf_cli.stages import _sampling
-
-    try:
-        prompts, examples = _sampling.prompts(cfg, tok, "eval", limit=n)
-    except RlhfError:  # no held-out split
-        prompts, examples = [], []
-    if len(prompts) < n:  # a small eval split (5% of a few hundred rows): training prompts make up the number
-        more = _sampling.prompts(cfg, tok, "train", limit=n - len(prompts))
-        prompts, examples = prompts + more[0], examples + more[1]
-    e, texts, ends, side = cfg.eval, [], [], tok.padding_side
-    model.eval()
-    tok.padding_side = "left"  # the answers start where every prompt ends
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(int(cfg.seed))
-        for i in range(0, len(prompts), int(e.batch_size)):
-            enc = tok(prompts[i:i + int(e.batch_size)], return_tensors="pt", padding=True,
-                      add_special_tokens=False).to(model.device)
-            out = model.generate(**enc, max_new_tokens=int(e.response_length), do_sample=not bool(e.greedy),
-                                 temperature=float(e.temperature), top_k=int(e.top_k) or None, top_p=float(e.top_p),
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-            for row in out[:, enc["input_ids"].shape[1]:].tolist():
-                ends.append(tok.eos_token_id in row)
-                texts.append(tok.decode(row[:row.index(tok.eos_token_id)] if ends[-1] else row,
-                                        skip_special_tokens=True))
-    tok.padding_side = side
-    gt, rows = _sampling.ground_truth(cfg, examples), _sampling.rows(examples)
-    if gt is None:
-        return {"answers_eos_rate": sum(ends) / len(ends)}
-    # what SFT imitated: the same prompts' data answers (both, where it also trains on the rejected ones)
-    refs = [(ex.chosen, p, r) for ex, p, r in zip(examples, prompts, rows)]
-    if cfg.data.sft_on_rejected:
-        refs += [(ex.rejected, p, r) for ex, p, r in zip(examples, prompts, rows) if ex.rejected]
-    return {"answers_eos_rate": sum(ends) / len(ends),
-            "answers_ground_truth_rate": _mean(gt(texts, prompts, rows)),
-            "data_ground_truth_rate": _mean(gt(*(list(x) for x in zip(*refs))))}
 
 
 def reward_warning(metrics: dict) -> str | None:

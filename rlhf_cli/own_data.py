@@ -14,22 +14,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from pathlib import Path
+
+from rlhf_cli.config import run_name, shipped  # noqa: F401 - here too: where a run goes, shipped data
 
 log = logging.getLogger("rlhf")
 
 # Optimizer steps of SFT on the tiny path with a user's file, unless sft.num_train_epochs / sft.max_steps are
 # given (measured: bench/results/NOTES.md, "Own data on the tiny path")
 SFT_MIN_STEPS = 500
-
-
-def shipped(path) -> bool:
-    """A data file shipped with rlhf (rlhf_cli/demo/data: the demo's, tiny-math's): the demo tokenizer covers it
-    and its recipe names its own run directory."""
-    from rlhf_cli.config import PACKAGE_DIR
-
-    return Path(str(path)).expanduser().resolve().parent == PACKAGE_DIR / "demo" / "data"
 
 
 def user_train_file(data_cfg) -> Path | None:
@@ -54,18 +47,6 @@ def tokenizer_texts(data_cfg) -> list[str] | None:
     examples = D.to_examples(D.read_rows(str(path)), data_cfg.format, str(path), data_cfg.get("system_prompt"))
     return [t for ex in examples for t in (*(str(m.get("content") or "") for m in ex.prompt), ex.chosen,
                                            ex.rejected or "") if t]
-
-
-def run_name(recipe, train_path) -> str:
-    """`${run_name:${recipe},${data.train_path}}`: the recipe's name, with the training file's stem added when it
-    is not the demo's (runs/tiny-my_pairs for data.train_path=my_pairs.jsonl)."""
-    from rlhf_cli.config import demo_only
-
-    if not train_path or demo_only(train_path, True) or shipped(train_path):
-        return str(recipe)
-    stem = Path(str(train_path).rstrip("/")).name.split(".")[0]
-    stem = re.sub(r"[^\w.-]", "_", stem).strip("._") or "data"
-    return f"{recipe}-{stem}"
 
 
 def explicit_keys(overrides: list[str]) -> set[str]:

@@ -105,6 +105,9 @@ CASES = [
     Case("doctor doctor.memory_gib=-4", "doctor.memory_gib=-4 is out of range; use a number > 0, or null"),
     Case("export +export.dir=out", "export.dir is not a config key; export has output_dir"),
     Case("export export.output_dir=", "export.output_dir is empty"),
+    Case("push push.dir=nope push.repo_id=me/x", "push.dir=nope is not a directory; give an output of rlhf sft"),
+    Case("push push.dir=out push.repo_id=me/x push.dry_run=true", "push.dir=out is not a model written by rlhf",
+         files=(("out/notes.txt", "not a model"),)),
     # files and faults: they fail after validation; the files given are byte-identical afterwards
     Case("sft model.tiny.dir={tiny_base} sft.output_dir=mine", "mine exists and was not written by rlhf",
          files=(("mine/notes.txt", "my own notes"),), early=False),

@@ -28,10 +28,11 @@ HELD_OUT = [p.replace("cook rice", "boil pasta") for p in PROMPTS[:6]]
 
 def trainer(base, tok, work, monkeypatch, evaluator, writer=None, **over):
     """The library test trainer (tests/test_trainer.py's `build`) with what the stage adds: an evaluator and a
-    TensorBoard writer; 4 updates of 8 episodes, a checkpoint after each."""
+    TensorBoard writer; 4 updates of 8 episodes, a checkpoint after each, all kept (the tests read them)."""
     monkeypatch.setattr(test_trainer, "PPOTrainer", functools.partial(PPOTrainer, evaluator=evaluator,
                                                                       writer=writer))
-    return build(base, tok, ppo_cfg(total_episodes=32, save_every=1, learning_rate=1e-2, **over), work=work)
+    return build(base, tok, ppo_cfg(total_episodes=32, save_every=1, save_total_limit="null", learning_rate=1e-2,
+                                    **over), work=work)
 
 
 def held_out(tok, gt=None) -> Evaluator:

@@ -79,3 +79,52 @@ def recompute_logprobs(setting: str, compute_dtype) -> bool:
     if setting == "auto":
         return compute_dtype is not None
     return setting == "true"
+
+
+def mean(xs) -> float:
+    return sum(float(x) for x in xs) / len(xs)
+
+
+ANSWER_PROMPTS = 32  # held-out prompts SFT answers for its check (rlhf_cli.learned.sft_warning)
+
+
+def answer_check(model, tok, cfg, n: int = ANSWER_PROMPTS) -> dict:
+    """Sample one answer to each of the first `n` held-out prompts (training prompts after them where there are
+    fewer) with the eval settings (`eval.*`; seeded, the caller's random stream left as it was): the share that
+    end with the stop token and, with a checker (`data.ground_truth`), the share that pass it and the share of
+    the data's own answers to those prompts that do."""
+    import torch
+
+    try:
+        asked, examples = prompts(cfg, tok, "eval", limit=n)
+    except RlhfError:  # no held-out split
+        asked, examples = [], []
+    if len(asked) < n:  # a small eval split (5% of a few hundred rows): training prompts make up the number
+        more = prompts(cfg, tok, "train", limit=n - len(asked))
+        asked, examples = asked + more[0], examples + more[1]
+    e, texts, ends, side = cfg.eval, [], [], tok.padding_side
+    model.eval()
+    tok.padding_side = "left"  # the answers start where every prompt ends
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(int(cfg.seed))
+        for i in range(0, len(asked), int(e.batch_size)):
+            enc = tok(asked[i:i + int(e.batch_size)], return_tensors="pt", padding=True,
+                      add_special_tokens=False).to(model.device)
+            out = model.generate(**enc, max_new_tokens=int(e.response_length), do_sample=not bool(e.greedy),
+                                 temperature=float(e.temperature), top_k=int(e.top_k) or None, top_p=float(e.top_p),
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            for row in out[:, enc["input_ids"].shape[1]:].tolist():
+                ends.append(tok.eos_token_id in row)
+                texts.append(tok.decode(row[:row.index(tok.eos_token_id)] if ends[-1] else row,
+                                        skip_special_tokens=True))
+    tok.padding_side = side
+    gt, fields = ground_truth(cfg, examples), rows(examples)
+    if gt is None:
+        return {"answers_eos_rate": sum(ends) / len(ends)}
+    # what SFT imitated: the same prompts' data answers (both, where it also trains on the rejected ones)
+    refs = [(ex.chosen, p, r) for ex, p, r in zip(examples, asked, fields)]
+    if cfg.data.sft_on_rejected:
+        refs += [(ex.rejected, p, r) for ex, p, r in zip(examples, asked, fields) if ex.rejected]
+    return {"answers_eos_rate": sum(ends) / len(ends),
+            "answers_ground_truth_rate": mean(gt(texts, asked, fields)),
+            "data_ground_truth_rate": mean(gt(*(list(x) for x in zip(*refs))))}

@@ -18,13 +18,12 @@ import logging
 import time
 from pathlib import Path
 
-from rlhf_cli import accel, cards, devices, resume
+from rlhf_cli import accel, devices, resume
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.io import publish, write_json
-from rlhf_cli.learned import earlier_stage_warnings, watch_gaming
-from rlhf_cli.models import check_vocab, load_tokenizer, merge_lora, resolve_precision, setup_torch
-from rlhf_cli.ppo import checkpoint, evaluation, shard
+from rlhf_cli.io import publish
+from rlhf_cli.models import check_vocab, load_tokenizer, resolve_precision, setup_torch
+from rlhf_cli.ppo import evaluation, shard
 from rlhf_cli.ppo.build import build_ppo_models
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.reward_model import know_prompts
@@ -32,6 +31,7 @@ from rlhf_cli.ppo.rewards import RewardFunction
 from rlhf_cli.ppo.trainer import Hooks, PPOTrainer, PromptStream
 from rlhf_cli.stages import _sampling
 from rlhf_cli.stages._console import console, describe_run, final_line, show_evaluations
+from rlhf_cli.stages._ppo_outputs import warn_what_did_not_learn, write_cards, write_outputs
 from rlhf_cli.tracking import make_writer
 
 log = logging.getLogger("rlhf")
@@ -87,14 +87,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     stream = PromptStream(prompts, int(cfg.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
                          hooks=hooks, reward_functions=functions, evaluator=evaluator)
-    trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
-    if p.resume:
-        ckpt = resume.latest(work / "checkpoints")
-        trainer.resume(ckpt, force=p.resume == "force")
-        log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
-                 trainer.progress.episodes)
-    # TensorBoard, and wandb if asked: opened once the resume is checked (a refused one writes nothing)
-    writer = trainer.writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)
+    writer = _resume_then_open_logs(trainer, cfg, work, acc.is_main_process)
     describe_run(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
     if evaluator is not None:
         log.info("ppo: every %d updates and after the last, %d held-out prompts sampled with the eval settings "
@@ -104,9 +97,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
             show_evaluations(trainer)
 
     if acc.is_main_process:  # before the first update: what SFT and the reward stage did not learn, then gaming
-        for warning in earlier_stage_warnings(p.policy_dir, p.reward_dir if c.uses_reward_model else None):
-            log.warning(warning)
-        watch_gaming(trainer)
+        warn_what_did_not_learn(trainer, p)
 
     # ---- train, with a progress bar and a line per update
     t_start = time.perf_counter()
@@ -126,6 +117,19 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     return metrics
 
 
+def _resume_then_open_logs(trainer: PPOTrainer, cfg, work: Path, is_main: bool):
+    """`ppo.resume`: the run's shape compared and its state loaded; then TensorBoard (and wandb if asked), opened
+    once the resume is checked (a refused one writes nothing). Returns the writer."""
+    trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
+    if cfg.ppo.resume:
+        ckpt = resume.latest(work / "checkpoints")
+        trainer.resume(ckpt, force=cfg.ppo.resume == "force")
+        log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
+                 trainer.progress.episodes)
+    trainer.writer = make_writer(cfg, work / "tensorboard", is_main)
+    return trainer.writer
+
+
 def _held_out(cfg, tok, eval_every: int):
     """(prompts, examples) for ppo.eval_every, the held-out prompts that also give ppo.keep_best its metric;
     None when it is 0."""
@@ -137,34 +141,3 @@ def _held_out(cfg, tok, eval_every: int):
                         f"data.max_prompt_length={cfg.data.max_prompt_length}; raise it, give other held-out "
                         "data (data.eval_path), or set ppo.eval_every=0")
     return held_out
-
-
-def write_cards(work: Path, cfg, rows: dict) -> None:
-    """The model cards of the run (rlhf_cli.cards): the policy's, then best/'s and merged/'s where they are."""
-    cards.write_card(work, cfg, "ppo", rows)
-    if (work / "best").is_dir():
-        cards.write_card(work / "best", cfg, "best", rows)
-    if (work / "merged").is_dir():
-        cards.write_card(work / "merged", cfg, "export", after=work)
-
-
-def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:
-    """Adapter (or policy) + tokenizer at the top, value/, merged/ with `ppo.merge=true`, metrics.json."""
-    p, c = cfg.ppo, trainer.c
-    checkpoint.save_model(trainer.unwrapped, work)
-    tok.save_pretrained(str(work))
-    if trainer.value is not None:
-        checkpoint.save_model(trainer.value_model(), work / "value", root=work.parent)  # a base in the run: relative
-    if p.merge and p.lora.enabled:
-        import copy
-
-        merged = merge_lora(copy.deepcopy(trainer.unwrapped))
-        merged.save_pretrained(str(work / "merged"))
-        tok.save_pretrained(str(work / "merged"))
-    write_json(work / "metrics.json", {
-        **trainer.progress.metrics, "updates": trainer.sizes.num_updates, "total_episodes": trainer.progress.episodes,
-        "train_seconds": round(seconds, 2), "world_size": trainer.world,
-        "policy_dir": str(Path(p.policy_dir).resolve()),
-        "reward_dir": str(Path(p.reward_dir).resolve()) if c.uses_reward_model else None,
-        "advantage": c.advantage, "reward": list(c.reward),
-        **({"best": {k: v for k, v in trainer.best.items() if k != "eval"}} if trainer.best else {})})

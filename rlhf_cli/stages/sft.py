@@ -19,7 +19,7 @@ from rlhf_cli import data as D
 from rlhf_cli import gpu_memory
 from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
-from rlhf_cli.learned import answer_check, sft_warning
+from rlhf_cli.learned import sft_warning
 from rlhf_cli.models import (
     base_model_dir,
     load_causal_lm,
@@ -39,6 +39,7 @@ from rlhf_cli.stages._common import (
     training_console,
     training_precision,
 )
+from rlhf_cli.stages._sampling import answer_check
 
 log = logging.getLogger("rlhf")
 
@@ -122,7 +123,7 @@ def run(cfg) -> None:
         answers = {}
         if trainer.is_world_process_zero():
             if trainer.args.world_size == 1:  # sharded weights would need every process to sample
-                answers = answer_check(model, tok, cfg)  # did it learn? (rlhf_cli.learned)
+                answers = answer_check(model, tok, cfg)  # did it learn? (rlhf_cli.learned.sft_warning)
             # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
                        "steps": result.global_step, "train_rows": n_train, "eval_rows": n_eval,
