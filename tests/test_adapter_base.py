@@ -56,6 +56,21 @@ def test_an_adapter_on_a_retrained_base_is_one_line(run_cli, retrained, command)
     assert tree(cwd / "runs") == before
 
 
+def test_eval_of_an_adapter_on_a_retrained_base_is_one_line(run_cli, retrained):
+    """rlhf eval samples the SFT model first, then meets the PPO adapter: the same one line, nothing written."""
+    cwd, then, now = retrained
+    before = tree(cwd / "runs")
+    rc, out, err = run_cli("eval", "recipe=tiny-rule", "device.threads=1", "eval.num_prompts=4", "eval.reward_dir=null",
+                           cwd=cwd)
+    errors = [ln for ln in err.splitlines() if ": error:" in ln]
+    assert rc != 0 and "Traceback" not in out + err and len(errors) == 1, err[-3000:]
+    assert errors[0].endswith(f"rlhf eval: error: the adapter at {RUN / 'ppo'} was trained on a base of content "
+                              f"{then}, but {(cwd / RUN / 'sft').resolve()} now holds {now} (retrained since?); "
+                              "retrain the adapter on it, point the config at the base it was trained on, or set "
+                              "model.adapter_base_check=false to load it anyway"), errors[0]
+    assert tree(cwd / "runs") == before
+
+
 def test_the_check_can_be_turned_off_on_purpose(run_cli, retrained, tmp_path):
     cwd, _, _ = retrained
     rc, _, err = run_cli("export", "recipe=tiny-rule", "device.threads=1", "model.adapter_base_check=false",

@@ -265,3 +265,35 @@ def test_a_reward_resume_onto_a_retrained_sft_names_its_identity(whole, tmp_path
     line = error_line(rlhf(tmp_path, "reward", *args, "reward.resume=true"))
     assert "reward.init_from identity was" in line and "reward.fresh=true" in line, line
     assert tree() == before
+
+
+@slow
+def test_an_sft_resume_after_its_data_file_was_rewritten_names_it(tmp_path):
+    """The data file rewritten in place (one row more) between the kill and the resume: one line naming
+    data.train_path's content, and the interrupted run is left as it was."""
+    import hashlib
+    import shutil
+
+    import rlhf_cli
+
+    data = tmp_path / "pairs.jsonl"
+    shutil.copy(Path(rlhf_cli.__file__).parent / "demo" / "data" / "polite_train.jsonl", data)
+    args = [*SMALL, "data.train_path=pairs.jsonl", "run_dir=runs/tiny"]
+    partial = tmp_path / "runs" / "tiny" / ".sft.partial"
+    proc = start(tmp_path, "sft", *args)
+    wait_for_checkpoint(proc, partial, EVERY)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    first = data.read_text(encoding="utf-8").splitlines()[0]
+    with data.open("a", encoding="utf-8") as fh:
+        fh.write(first + "\n")
+
+    def tree() -> dict:
+        return {str(f.relative_to(partial)): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(partial.rglob("*")) if f.is_file()}
+
+    before = tree()
+    line = error_line(rlhf(tmp_path, "sft", *args, "sft.resume=true"))
+    assert line.startswith("rlhf sft: error: sft.resume=true: data.train_path sha256 was "), line
+    assert line.endswith("resume with the same value, or start over with sft.fresh=true"), line
+    assert tree() == before
