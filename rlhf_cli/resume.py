@@ -46,20 +46,21 @@ def _step(path: Path) -> int | None:
 
 def latest_checkpoint(directory: Path) -> Path | None:
     """The highest transformers `checkpoint-N` under `directory` that was written to the end, or None. The trainer
-    writes trainer_state.json last and rlhf its MANIFEST after that, so a checkpoint cut off by a kill (no
-    MANIFEST, and no readable state or another step's) is passed over; one with a MANIFEST is complete, and damage
-    to it is named when it is checked."""
+    writes trainer_state.json last, so a checkpoint cut off by a kill (no readable state, or another step's) is
+    passed over; rlhf writes its MANIFEST after that, so one whose state is there but unreadable was complete and
+    is damaged since: it is taken, and named when it is checked."""
     found = []
     for path in directory.glob("checkpoint-*") if directory.is_dir() else ():
-        if _step(path) is not None and (path / MANIFEST).is_file():
-            found.append((_step(path), path))
+        step, state_file = _step(path), path / "trainer_state.json"
+        if step is None:
             continue
         try:
-            state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+            state = json.loads(state_file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
+            if state_file.is_file() and (path / MANIFEST).is_file():
+                found.append((step, path))
             continue
-        step = _step(path)
-        if step is not None and isinstance(state, dict) and state.get("global_step") == step:
+        if isinstance(state, dict) and state.get("global_step") == step:
             found.append((step, path))
     return max(found)[1] if found else None
 

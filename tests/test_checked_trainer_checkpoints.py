@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ def killed(tmp_path_factory):
     partial = cwd / "runs" / "tiny" / ".sft.partial"
     proc = start(cwd, "sft", *SMALL)
     ckpt = wait_for_checkpoint(proc, partial, 5)
+    while not (ckpt / "checksums.json").is_file() and proc.poll() is None:  # written just after trainer_state.json
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     return cwd, ckpt.relative_to(cwd)
