@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rlhf_cli import data as D
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.ppo.evaluation import mean
 from rlhf_cli.ppo.experience import Sampling
 
 
@@ -79,10 +80,6 @@ def recompute_logprobs(setting: str, compute_dtype) -> bool:
     if setting == "auto":
         return compute_dtype is not None
     return setting == "true"
-
-
-def mean(xs) -> float:
-    return sum(float(x) for x in xs) / len(xs)
 
 
 ANSWER_PROMPTS = 32  # held-out prompts SFT answers for its check (rlhf_cli.learned.sft_warning)
