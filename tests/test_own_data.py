@@ -167,6 +167,38 @@ def test_gaming_watch_is_quiet_when_reward_and_ground_truth_agree():
     assert feed([{"objective/scores": 0.2 * i} for i in range(12)]) == []  # no checker: nothing to compare
 
 
+def test_gaming_warning_gets_a_line_of_its_own_under_the_progress_bar(tmp_path, capsys):
+    """PPO's order: the watch chained first, then the console's bar; a console log handler as Hydra's. The warning
+    is written through tqdm (the bar cleared, the line, the bar again), never appended to the bar's line."""
+    import logging
+    from types import SimpleNamespace
+
+    from rlhf_cli.stages._console import console
+
+    trainer = SimpleNamespace(sizes=SimpleNamespace(num_updates=10, batch_size=64), progress=SimpleNamespace(
+        episodes=0), hooks=SimpleNamespace(on_update=lambda u, m: None), c=SimpleNamespace(logging_steps=1),
+        work=tmp_path)
+    learned.watch_gaming(trainer)
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # sys.stderr as capsys replaced it, where the bar writes too
+    handler.setFormatter(logging.Formatter("[%(name)s][%(levelname)s] - %(message)s"))
+    root.addHandler(handler)
+    try:
+        with console(trainer, main=True):
+            for i in range(1, 11):
+                trainer.hooks.on_update(i, {**update(0.1 * i, 0.2, 0.9), "episodes": 64 * i, "objective/kl": 0.5,
+                                            "response/length_mean": 9.0, "loss/policy_avg": 0.0,
+                                            "policy/clipfrac_avg": 0.0, "eps": 10.0})
+        assert handler in root.handlers  # the console's own handler put back
+    finally:
+        root.removeHandler(handler)
+    text = capsys.readouterr()
+    pieces = [x.strip() for x in (text.out + text.err).replace("\r", "\n").split("\n")]
+    said = [x for x in pieces if "the reward is being gamed" in x]
+    assert said and all(x.startswith("[rlhf][WARNING] - ppo: the reward is being gamed") for x in said), said
+    assert sum("update 8/10" in x for x in pieces) == 1
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 TINY = ["model.tiny.vocab_size=400", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
         "model.tiny.num_hidden_layers=1", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",

@@ -59,10 +59,15 @@ def duration(seconds: float) -> str:
 
 class console:
     """A progress bar over episodes and a line every `ppo.logging_steps` updates (main process), chained in
-    front of the trainer's own on_update hook; on Ctrl-C, says whether a checkpoint can continue the run."""
+    front of the trainer's own on_update hook; on Ctrl-C, says whether a checkpoint can continue the run. Within
+    the block, logging writes through tqdm: a warning during the run (a gamed reward) gets a line of its own
+    instead of being written onto the bar's."""
 
     def __init__(self, trainer: PPOTrainer, main: bool) -> None:
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.redirect = logging_redirect_tqdm()
 
         self.trainer, self.main, n = trainer, main, trainer.sizes.num_updates
         self.bar = tqdm(total=n * trainer.sizes.batch_size, initial=trainer.progress.episodes, unit="ep",
@@ -78,10 +83,12 @@ class console:
         trainer.hooks.on_update = on_update
 
     def __enter__(self):
+        self.redirect.__enter__()
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
         self.bar.close()
+        self.redirect.__exit__(None, None, None)
         if kind is KeyboardInterrupt:
             saved = resume.latest(self.trainer.work / "checkpoints")
             log.error("ppo: interrupted; %s", f"`ppo.resume=true` continues from {saved}" if saved else
