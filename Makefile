@@ -62,7 +62,8 @@ chain-rule: install ## the tiny chain rewarded by the politeness rule (no reward
 	$(MAKE) chain RECIPE=tiny-rule ARGS='$(ARGS)'
 
 chain-dpo: install ## the tiny chain with DPO instead of reward + PPO: sft -> dpo -> eval (recipe tiny-dpo)
-	$(RLHF) sft recipe=tiny-dpo $(ARGS)
+	@# an SFT output already finished with these settings is kept (its metrics.json's settings_sha256)
+	$(BIN)/python -m rlhf_cli.resume finished sft recipe=tiny-dpo $(ARGS) || $(RLHF) sft recipe=tiny-dpo $(ARGS)
 	$(RLHF) dpo recipe=tiny-dpo $(ARGS)
 	$(RLHF) eval recipe=tiny-dpo $(ARGS)
 

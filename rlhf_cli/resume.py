@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -97,6 +98,37 @@ def run_config(cfg, stage: str) -> dict:
     out["seed"] = cfg.seed
     skip = {f"{stage}.{k}" for k in NOT_SHAPING} | set(NOT_SHAPING_ELSEWHERE)
     return {**{k: v for k, v in out.items() if k not in skip}, **data_identity(cfg.data)}
+
+
+def run_shape(cfg, stage: str) -> dict:
+    """What a sft / reward / dpo run's checkpoints record and a resume compares: `run_config` and the identities
+    of the model directories it starts from (the tiny base left out: it is built from the seed and the data)."""
+    return {**run_config(cfg, stage), **model_identities(cfg, stage, tiny_base=False)}
+
+
+def settings_digest(shape: dict) -> str:
+    """sha256 of a `run_shape`: kept in a finished output's metrics.json (`settings_sha256`), so a later command
+    can tell that the output was made with the settings it has now (`finished_as_configured`)."""
+    import hashlib
+
+    text = json.dumps(shape, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def finished_as_configured(cfg, stage: str) -> Path | None:
+    """`<stage>.output_dir` when it holds a finished `stage` output made with the settings of `cfg`, else None
+    (none there, another kind, an older output without the digest, or other settings)."""
+    from rlhf_cli.io import output_kind, read_json
+
+    out = Path(str(cfg[stage].output_dir))
+    if output_kind(out) != stage:
+        return None
+    try:
+        metrics = read_json(out / "metrics.json")
+    except (OSError, ValueError):
+        return None
+    digest = metrics.get("settings_sha256") if isinstance(metrics, dict) else None
+    return out if digest is not None and digest == settings_digest(run_shape(cfg, stage)) else None
 
 
 def data_identity(data_cfg) -> dict:
@@ -285,3 +317,27 @@ def resume_hint(cfg) -> str:
         return f"no checkpoint yet ({spec.save_key}={OmegaConf.select(cfg, spec.save_key)}); completed outputs are " \
                "intact"
     return f"{command}.resume=true continues from {ckpt.name}"
+
+
+def main(argv: list[str]) -> int:
+    """`python -m rlhf_cli.resume finished STAGE [key=value ...]` (make chain-dpo): exit status 0, with a line
+    saying so, when STAGE's output is finished with these settings, else 1 (and nothing printed: the stage runs,
+    and reports a bad override itself)."""
+    from rlhf_cli.config import compose
+
+    if len(argv) < 2 or argv[0] != "finished":
+        print("usage: python -m rlhf_cli.resume finished STAGE [key=value ...]", file=sys.stderr)
+        return 2
+    stage = argv[1]
+    try:
+        out = finished_as_configured(compose(stage, argv[2:]), stage)
+    except Exception:  # noqa: BLE001 - any doubt: the stage runs and says what is wrong
+        return 1
+    if out is None:
+        return 1
+    print(f"{stage}: {out} is finished with these settings; kept (rlhf {stage} trains it again)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

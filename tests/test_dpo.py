@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from clitools import rlhf
@@ -109,6 +110,69 @@ def test_lora_dpo_publishes_an_adapter_that_eval_reports_against_sft(chain):
     assert report["policies"]["dpo"]["ground_truth_rate"] is not None
     assert report["policies"]["dpo"]["kl_to_ref_mean"] != 0  # the k1 estimate: a mean of log-ratios, either sign
     assert " dpo: no RM, ground truth" in ev.stdout
+
+
+@pytest.mark.slow
+def test_eval_draws_the_dpo_training_curves(chain):
+    """As PPO's training_curves.png: the DPO policy's own TensorBoard events, a PNG beside the report."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhf_cli.stages.eval import DPO_CURVES
+
+    cwd = chain[0]
+    ev = cwd / "runs" / "tiny-dpo" / "eval"
+    report = json.loads((ev / "report.json").read_text())
+    assert report["dpo_plots"] == {"dpo": "dpo_training_curves.png"} and "plot" not in report  # no PPO run here
+    png = (ev / "dpo_training_curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert "![dpo training curves](dpo_training_curves.png)" in (ev / "report.md").read_text()
+    acc = EventAccumulator(str(cwd / "runs" / "tiny-dpo" / "dpo" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    drawn = [t for t, _ in DPO_CURVES if t in tags]  # trl's names, as the panels expect them
+    assert {"train/loss", "train/rewards/accuracies", "train/rewards/margins"} <= set(drawn)
+    assert len(acc.Scalars("train/loss")) == STEPS // 2  # dpo.logging_steps=2
+
+
+def make_chain_dpo(cwd, *args: str) -> str:
+    """`make chain-dpo ARGS=...` in `cwd` with the project's .venv, its rlhf commands echoed, not run: what it would
+    run, after the real check of a finished SFT output."""
+    import subprocess
+    import sys
+
+    from rlhf_cli.config import PACKAGE_DIR
+
+    makefile = PACKAGE_DIR.parent / "Makefile"
+    if not makefile.is_file():
+        pytest.skip("no Makefile: rlhf is installed, not a checkout")
+    venv = Path(sys.prefix)  # this interpreter's environment, never (re)installed by the test
+    proc = subprocess.run(["make", "-s", "-f", str(makefile), "-o", str(venv / ".installed"), f"VENV={venv}",
+                           "RLHF=echo RUN rlhf", "chain-dpo", "ARGS=" + " ".join(args)],
+                          cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_make_chain_dpo_keeps_an_sft_output_finished_with_the_same_settings(chain, tmp_path, monkeypatch):
+    from rlhf_cli.resume import finished_as_configured, run_shape, settings_digest
+
+    cwd = chain[0]
+    sft = cwd / "runs" / "tiny-dpo" / "sft"
+    monkeypatch.chdir(cwd)
+    cfg = compose("sft", SHORT)
+    # the digest the command wrote is the one of the config composed here: same settings, same digest
+    assert json.loads((sft / "metrics.json").read_text())["settings_sha256"] == settings_digest(run_shape(cfg, "sft"))
+    assert finished_as_configured(cfg, "sft") == Path("runs/tiny-dpo/sft")
+    kept = make_chain_dpo(cwd, *SHORT)
+    assert "sft: runs/tiny-dpo/sft is finished with these settings; kept" in kept
+    assert "RUN rlhf sft" not in kept and "RUN rlhf dpo recipe=tiny-dpo" in kept and "RUN rlhf eval" in kept
+    # another setting that shapes SFT (the seed), or no SFT output at all: SFT trains
+    assert finished_as_configured(compose("sft", [*SHORT, "seed=7"]), "sft") is None
+    assert "RUN rlhf sft recipe=tiny-dpo" in make_chain_dpo(cwd, *SHORT, "seed=7")
+    assert "RUN rlhf sft recipe=tiny-dpo" in make_chain_dpo(tmp_path, *SHORT)
+    # a bad override: the check stays quiet and `rlhf sft` runs, to report it in its own words
+    assert "RUN rlhf sft recipe=tiny-dpo" in make_chain_dpo(cwd, *SHORT, "sft.no_such_key=1")
 
 
 @pytest.mark.slow

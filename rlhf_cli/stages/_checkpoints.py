@@ -109,8 +109,9 @@ class Checkpoints:
     context manager: a run that fails or is stopped before its first checkpoint leaves nothing behind; one with
     a checkpoint keeps it for `<stage>.resume=true`."""
 
-    def __init__(self, stage: str, work: Path, resume_from: Path | None, token: str):
+    def __init__(self, stage: str, work: Path, resume_from: Path | None, token: str, shape: dict | None = None):
         self.stage, self.work, self.resume_from, self.token = stage, work, resume_from, token
+        self.shape = shape  # the run's settings (R.run_shape), as its checkpoints record them
         self.main = process_rank()[0] == 0
 
     @property
@@ -129,7 +130,7 @@ class Checkpoints:
         s = cfg[stage]
         out = Path(s.output_dir)
         work = R.partial_dir(out)
-        shape = {**R.run_config(cfg, stage), **R.model_identities(cfg, stage, tiny_base=False)}
+        shape = R.run_shape(cfg, stage)
         resume, fresh = bool(s.resume), bool(s.fresh)
         R.check_switches(stage, resume, fresh)
         found = R.latest_checkpoint(work)
@@ -137,12 +138,12 @@ class Checkpoints:
         main = process_rank()[0] == 0
         if resume:  # the run is taken over (run.json's "run") once its checkpoint is checked (`train`)
             cls._check_resume(cfg, stage, out, work, found, shape)
-            return cls(stage, work, found, token)
+            return cls(stage, work, found, token, shape)
         R.refuse_interrupted(stage, work, found, fresh)
         if main:
             R.start_over(stage, work, found)
             write_json(work / R.RUN_FILE, {"run": token, "stage": stage, "config": shape})
-        return cls(stage, work, None, token)
+        return cls(stage, work, None, token, shape)
 
     @staticmethod
     def _check_resume(cfg, stage: str, out: Path, work: Path, found: Path | None, shape: dict) -> None:
@@ -212,8 +213,12 @@ class Checkpoints:
                             f"{self.stage}.fresh=true") from e
 
     def finish(self, out: Path) -> None:
-        """Move the TensorBoard events (both parts of a resumed run) into the output being assembled (main
-        process, before it is published)."""
+        """Move the TensorBoard events (both parts of a resumed run) into the output being assembled, and add the
+        digest of the run's settings to its metrics.json (`settings_sha256`: make chain-dpo keeps an SFT output
+        finished with the settings it has, `R.finished_as_configured`). Main process, before it is published."""
+        metrics = out / "metrics.json"
+        if self.shape is not None and metrics.is_file():
+            write_json(metrics, {**read_json(metrics), "settings_sha256": R.settings_digest(self.shape)})
         tb = self.work / "tensorboard"
         if tb.is_dir():
             shutil.rmtree(out / "tensorboard", ignore_errors=True)

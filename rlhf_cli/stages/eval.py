@@ -10,7 +10,9 @@ over SFT on the same prompts, and where the RM and the ground truth disagree (re
 first). Without a reward model (a run rewarded by functions alone) the report has everything else.
 
 Writes `eval.output_dir`: report.json, report.md, responses.jsonl (every response with its RM score, KL and
-ground-truth verdict) and training_curves.png (from the PPO TensorBoard events). What one policy is measured
+ground-truth verdict), training_curves.png (from the PPO TensorBoard events) and, for each policy that is a DPO
+output, <name>_training_curves.png (from its own events: loss, implicit-reward accuracy and margin, log-probs).
+What one policy is measured
 by is `rlhf_cli.ppo.evaluation`, which `rlhf ppo` runs every `ppo.eval_every` updates too (its `eval/*` curves).
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 from rlhf_cli import accel, devices
 from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
-from rlhf_cli.io import atomic_dir, check_output_dir, read_json, write_json
+from rlhf_cli.io import atomic_dir, check_output_dir, output_kind, read_json, write_json
 from rlhf_cli.models import (
     check_vocab,
     load_policy,
@@ -40,6 +42,11 @@ log = logging.getLogger("rlhf")
 CURVES = [("objective/scores", "score (ppo.reward)"), ("objective/ground_truth_rate", "ground-truth rate"),
           ("objective/kl", "KL to reference (nats/seq)"), ("objective/entropy", "entropy (nats/seq)"),
           ("response/length_mean", "response length (tokens)"), ("loss/value_avg", "value loss")]
+# trl's DPOTrainer logs through transformers' TensorBoard callback: train/* every logging step, eval/* per eval
+DPO_CURVES = [("train/loss", "loss"), ("train/rewards/accuracies", "preference accuracy (implicit reward)"),
+              ("train/rewards/margins", "reward margin β·log π/π_ref"), ("eval/rewards/accuracies",
+              "held-out preference accuracy"), ("train/logps/chosen", "log π(chosen)"),
+              ("train/logps/rejected", "log π(rejected)")]
 
 
 def win_rate(a: list[float], b: list[float]) -> float:
@@ -47,8 +54,9 @@ def win_rate(a: list[float], b: list[float]) -> float:
     return mean([1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)])
 
 
-def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training") -> bool:
-    """PPO training curves against episodes, from TensorBoard scalars."""
+def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training", curves=CURVES, xlabel: str = "episodes") -> bool:
+    """Training curves (PPO's against episodes, by default) from TensorBoard scalars: a panel per tag of `curves`
+    that the events hold; False (nothing written) when they hold none."""
     if not tb_dir.is_dir():
         return False
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event-file notes are not the user's business
@@ -61,7 +69,7 @@ def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training") -> bool:
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags().get("scalars", []))
-    panels = [(t, label) for t, label in CURVES if t in tags]
+    panels = [(t, label) for t, label in curves if t in tags]
     if not panels:
         return False
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
@@ -69,7 +77,7 @@ def plot_curves(tb_dir: Path, png: Path, title: str = "PPO training") -> bool:
         ev = acc.Scalars(tag)
         ax.plot([x.step for x in ev], [x.value for x in ev], lw=1.6)
         ax.set_title(label, fontsize=10)
-        ax.set_xlabel("episodes")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -103,6 +111,8 @@ def markdown(report: dict) -> str:
     lines += [""]
     if report.get("plot"):
         lines += [f"![training curves]({report['plot']})", ""]
+    for name, png in report.get("dpo_plots", {}).items():
+        lines += [f"![{name} training curves]({png})", ""]
     lines += ["## Samples", ""]
     for name, samples in report["samples"].items():
         lines += [f"### {name}", ""] + [f"- `{s['prompt']}` → {s['response']!r}"
@@ -170,17 +180,23 @@ def run(cfg) -> None:
                                  "rm_score": s["rm_score"][i]} for i in range(0, min(6 * k, len(prompts)), k)]
     ppo_dir = Path(cfg.ppo.output_dir)
     with atomic_dir(e.output_dir, "eval", inputs) as out:
-        write_report(out, report, results, evals, gt, ppo_dir, str(cfg.ppo.advantage))
+        write_report(out, report, results, evals, gt, ppo_dir, str(cfg.ppo.advantage), policy_dirs)
     print_summary(report, bool(e.greedy), e.output_dir)
 
 
-def write_report(out: Path, report: dict, results: dict, evals, gt, ppo_dir: Path, advantage: str) -> None:
-    """report.json, report.md, responses.jsonl and the training curves into the eval directory `out`."""
+def write_report(out: Path, report: dict, results: dict, evals, gt, ppo_dir: Path, advantage: str,
+                 policy_dirs: dict[str, Path] | None = None) -> None:
+    """report.json, report.md, responses.jsonl and the training curves into the eval directory `out`: PPO's, and
+    those of each policy in `policy_dirs` that is a DPO output."""
     if (ppo_dir / "metrics.json").exists():
         report["ppo_train"] = read_json(ppo_dir / "metrics.json")
     estimator = report.get("ppo_train", {}).get("advantage", advantage)
     if plot_curves(ppo_dir / "tensorboard", out / "training_curves.png", f"PPO training ({estimator})"):
         report["plot"] = "training_curves.png"
+    for name, path in (policy_dirs or {}).items():
+        if output_kind(path) == "dpo" and plot_curves(path / "tensorboard", out / f"{name}_training_curves.png",
+                                                      f"DPO training ({name})", DPO_CURVES, "optimizer steps"):
+            report.setdefault("dpo_plots", {})[name] = f"{name}_training_curves.png"
     write_json(out / "report.json", report)
     with open(out / "responses.jsonl", "w", encoding="utf-8") as f:  # every response, for a closer look
         for n, s in results.items():
