@@ -323,6 +323,14 @@ def main(argv: list[str] | None = None) -> None:
         hydra_overrides = translate_overrides(command, overrides)
     except RlhfError as e:
         fail(command, str(e))
+    if any(f in ("-h", "--help") for f in flags):  # the keys with their help; Hydra's own page: --hydra-help
+        from rlhf_cli.keyhelp import command_help
+
+        try:
+            print(command_help(command, overrides), end="")
+        except RlhfError as e:
+            fail(command, str(e))
+        return
     multirun = any(f in ("-m", "--multirun") for f in flags) and not any(
         f in ("--cfg", "-c", "--info", "-i", "--help", "-h") for f in flags)
     if multirun:

@@ -18,7 +18,7 @@ RANKS = {
     "rlhf_cli.accel": 3, "rlhf_cli.ppo.core": 2,
     "rlhf_cli.ppo": 4,
     "rlhf_cli.stages": 5,
-    "rlhf_cli.cli": 6, "rlhf_cli.recipes": 6, "rlhf_cli.multirun": 6, "rlhf_cli.accelerate_launch": 6,
+    "rlhf_cli.cli": 6, "rlhf_cli.recipes": 6, "rlhf_cli.keyhelp": 6, "rlhf_cli.multirun": 6, "rlhf_cli.accelerate_launch": 6,
 }
 
 
