@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# sizes at which a speed path switches: rlhf_cli.accel.limits is their home; importable from here until the
-# modules that still read them from this one (stages/_sampling, tests/test_trainer.py) read them from there
-from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, SCORE_GROUPS_FROM_BYTES  # noqa: F401
 from rlhf_cli.choices import ADVANTAGES, REWARD_MODEL
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.schema import SCHEMA
