@@ -83,3 +83,49 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_new_training_stage_is_five_files(tmp_path):
+    """A throwaway stage added to a copy of the package: its row in the table, its module, its config group, its
+    line in config.yaml's defaults and its keys in the schema; nothing else. It then runs, is launched over
+    processes, checks its keys and has its --help page (a memory plan for `rlhf doctor` would be a sixth file,
+    its planner in rlhf_cli/memory.py)."""
+    import shutil
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in ("rlhf_cli", "conf", "recipes"):
+        shutil.copytree(REPO / part, tmp_path / part, ignore=ignore)
+    edits = {
+        "rlhf_cli/stage_table.py": ('    Stage("doctor",', ('    Stage("hello", "greets (a throwaway stage)", '
+                                    'trains=True, needs_data=True, output=True, resume="trainer"),\n    Stage("doctor",')),
+        "conf/config.yaml": ("  - stage@push: push\n", "  - stage@push: push\n  - stage@hello: hello\n"),
+        "rlhf_cli/schema.py": ('    # ---- conf/stage/doctor.yaml', ('    **_trainer_keys("hello"),\n'
+                               '    "hello.name": text(help="who is greeted"),\n    # ---- conf/stage/doctor.yaml')),
+    }
+    for path, (old, new) in edits.items():
+        text = (tmp_path / path).read_text()
+        assert text.count(old) == 1, (path, old)
+        (tmp_path / path).write_text(text.replace(old, new))
+    group = (REPO / "conf/stage/sft.yaml").read_text().split("\nlora:")[0].replace("/sft", "/hello")
+    (tmp_path / "conf/stage/hello.yaml").write_text(group + "\nname: world\n")
+    (tmp_path / "rlhf_cli/stages/hello.py").write_text(
+        '"""`rlhf hello`."""\n\n\ndef run(cfg) -> None:\n    print(f"hello, {cfg.hello.name}")\n')
+    changed = [*edits, "conf/stage/hello.yaml", "rlhf_cli/stages/hello.py"]
+    assert len(changed) == 5
+
+    def rlhf(*args):
+        env = {"PYTHONPATH": str(tmp_path), "PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}
+        return subprocess.run([sys.executable, "-m", "rlhf_cli.cli", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600, env=env)
+
+    ran = rlhf("hello", "hello.name=you")
+    assert ran.returncode == 0 and ran.stdout.strip().endswith("hello, you"), ran.stderr
+    launched = rlhf("hello", "device=cpu-ddp", "dry_run=true")
+    assert launched.returncode == 0 and "--num_processes 2" in launched.stdout, launched.stderr
+    assert launched.stdout.strip().endswith("-m rlhf_cli.cli hello device=cpu-ddp"), launched.stdout
+    typo = rlhf("hello", "hello.save_step=3")
+    assert typo.returncode == 2 and "did you mean hello.save_steps?" in typo.stderr, typo.stderr
+    page = rlhf("hello", "--help")
+    assert page.returncode == 0 and "\n  hello.name = world\n      who is greeted" in page.stdout, page.stdout
+    listed = rlhf("--help")
+    assert "\n  hello    greets (a throwaway stage)" in listed.stdout, listed.stdout
