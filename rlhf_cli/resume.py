@@ -270,12 +270,13 @@ def finished_refusal(stage: str, out: Path, detail: str = "") -> RlhfError:
 
 def claim(out: Path, stage: str, resume: bool, fresh: bool = False, inputs=()) -> Path:
     """The partial directory a PPO run is built in (and published from when it succeeds), claimed for this run:
-    the run lock of `out` (io.claim_output) covers it until `publish`, so a second run into `out` is refused at
-    once, naming this one. `inputs`: the directories the run reads (never its output).
+    the run lock of `out` (run_lock.claim_output) covers it until `publish`, so a second run into `out` is refused
+    at once, naming this one. `inputs`: the directories the run reads (never its output).
 
     resume=True continues the partial run from its latest checkpoint; a finished run is not resumed. Without it
     an interrupted run is refused unless fresh=True (`refuse_interrupted`). A refusal changes nothing."""
-    from rlhf_cli.io import check_output_dir, claim_output, release_output
+    from rlhf_cli.io import check_output_dir
+    from rlhf_cli.run_lock import claim_output, release_output
 
     check_switches(stage, resume, fresh)
     work = partial_dir(out)

@@ -180,8 +180,7 @@ def _drop_singletons(keep_locks: bool = False) -> None:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rlhf_cli import cli
-    from rlhf_cli import io as rlhf_io
+    from rlhf_cli import cli, run_lock
 
     GlobalHydra.instance().clear()
     HydraConfig.instance().cfg = None
@@ -191,6 +190,6 @@ def _drop_singletons(keep_locks: bool = False) -> None:
     GradientState._reset_state()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    rlhf_io._release_all()
+    run_lock.release_all()
     cli._failed_jobs.clear()
     gc.collect()

@@ -389,7 +389,7 @@ def test_the_check_reads_only(tmp_path):
 # ---------------------------------------------------------------------------------------- one run per output
 HOLD = """
 import sys, time
-from rlhf_cli.io import claim_output
+from rlhf_cli.run_lock import claim_output
 claim_output(sys.argv[1], sys.argv[2])
 print("locked", flush=True)
 time.sleep(120)
@@ -481,7 +481,7 @@ def test_a_lock_left_on_another_host_is_taken_over_and_said(tmp_path, caplog):
 
 def test_a_claim_lasts_until_publish(tmp_path):
     """PPO claims its output before building `.<name>.partial` and gives it back when it publishes."""
-    from rlhf_cli.io import claim_output, output_lock
+    from rlhf_cli.run_lock import claim_output, output_lock
 
     final = tmp_path / "ppo"
     claim_output(final, "ppo")
