@@ -14,7 +14,7 @@ RLHF := $(BIN)/rlhf
 # the shipped recipes, as `make help` lists them: every recipes/*.yaml beside this Makefile
 SHIPPED_RECIPES = $(sort $(basename $(notdir $(wildcard $(dir $(firstword $(MAKEFILE_LIST)))recipes/*.yaml))))
 
-.PHONY: help install sft reward ppo dpo eval chain chain-grpo chain-rule chain-dpo chat test test-fast bench bench-real real-check gpu-check dist clean
+.PHONY: help install sft reward ppo dpo eval chain chain-grpo chain-rule chain-qlora chain-dpo chat test test-fast bench bench-real real-check gpu-check dist clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); fi
-	$(BIN)/pip install -q -e '.[test,wandb]'  # wandb: its tests run, offline, instead of skipping
+	$(BIN)/pip install -q -e '.[test,wandb,qlora]'  # wandb, bitsandbytes: their tests run instead of skipping
 	@touch $@
 
 sft: install ## supervised fine-tuning  -> runs/<recipe>/sft
@@ -60,6 +60,12 @@ chain-grpo: install ## the tiny chain with GRPO (4 responses per prompt, no valu
 
 chain-rule: install ## the tiny chain rewarded by the politeness rule (no reward model in ppo)
 	$(MAKE) chain RECIPE=tiny-rule ARGS='$(ARGS)'
+
+chain-qlora: install ## the tiny chain with 4-bit frozen weights in ppo / eval (recipe tiny-qlora; sft unquantized)
+	$(RLHF) sft recipe=tiny-qlora model.quantization=none $(ARGS)
+	$(RLHF) reward recipe=tiny-qlora $(ARGS)
+	$(RLHF) ppo recipe=tiny-qlora $(ARGS)
+	$(RLHF) eval recipe=tiny-qlora $(ARGS)
 
 chain-dpo: install ## the tiny chain with DPO instead of reward + PPO: sft -> dpo -> eval (recipe tiny-dpo)
 	@# an SFT output already finished with these settings is kept (its metrics.json's settings_sha256)

@@ -8,6 +8,7 @@ from rlhf_cli.stage_table import COMMANDS, TRAIN_STAGES  # noqa: F401 - `command
 # ---- model and data
 MODEL_HUBS = ("modelscope", "hf")                            # model.hub
 DTYPES = ("auto", "float32", "bfloat16", "float16")          # model.dtype: storage of frozen weights
+QUANTIZATIONS = ("none", "4bit", "8bit")   # model.quantization: bitsandbytes storage of frozen linear layers
 DATA_FORMATS = ("seed", "prompt", "conversational", "messages")   # data.format, besides auto (rlhf_cli.data)
 GROUND_TRUTH_SPECS = {"demo_polite": "rlhf_cli.demo:is_polite"}  # data.ground_truth's built-in names
 GROUND_TRUTH = tuple(GROUND_TRUTH_SPECS)

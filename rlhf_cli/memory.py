@@ -19,6 +19,10 @@ Precision (rlhf_cli.precision, the rule models.resolve_precision applies too)
     runs the module in the compute dtype and keeps an fp32 master copy and fp32 states: cb + cb + 12 bytes.
     ZeRO-1/2 divide optimizer states (and ZeRO-2 the gradients) by the number of processes, ZeRO-3 and FSDP
     divide weights, gradients and states; offload moves states (and ZeRO-3 parameters) to CPU memory.
+    `model.quantization` (rlhf_cli.quantization) stores the decoder's linear layers of the frozen models that
+    are quantized (a LoRA policy's base, a LoRA value trunk, PPO's reward model) in nf4, 0.5 B + a 4 B absmax
+    per 64 weights = 0.5625 B/weight, or int8, 1 B/weight + a 4 B scale per output row; their embeddings,
+    norms and output layers stay in model.dtype.
 
 Activations kept for the backward pass, per token per decoder layer, in bytes (q = n_h·d, kv = n_kv·d),
 measured with saved-tensor hooks on the tiny shape (within 3% for fp32, bf16 autocast, full and LoRA):
@@ -70,6 +74,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rlhf_cli import quantization
 from rlhf_cli.accel.limits import (
     CPU_MERGE_MAX_BYTES,
     ONEDNN_CACHE_BYTES,
@@ -203,6 +208,13 @@ def linear_shapes(a: Arch) -> dict[str, tuple[int, int]]:
     h, q, kv, i = a.hidden_size, a.q_dim, a.kv_dim, a.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def quantized_linears(a: Arch) -> tuple[int, int]:
+    """(weights, output rows) of the decoder's linear layers: what bitsandbytes quantizes (not the embeddings,
+    norms or output layers)."""
+    shapes = linear_shapes(a).values()
+    return a.num_hidden_layers * sum(i * o for i, o in shapes), a.num_hidden_layers * sum(o for _, o in shapes)
 
 
 def backbone_params(a: Arch) -> int:
@@ -380,6 +392,7 @@ class Setup:
     dtype_name: str = "float32"
     compute_name: str = "fp32"
     lengths: Lengths = Lengths()
+    quantization: str | None = None   # model.quantization: "4bit" / "8bit" frozen decoder linears; None: none
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -399,7 +412,7 @@ def setup_from(cfg, visible_gpus: int = 0, lengths: Lengths | None = None) -> Se
                  per_machine=per_machine, zero_stage=zero, offload_optimizer=bool(d.offload_optimizer),
                  offload_params=bool(d.offload_params), frozen_bytes=DTYPE_BYTES[p.storage],
                  compute_bytes=DTYPE_BYTES[p.compute], dtype_name=p.storage, compute_name=SHORT[p.compute],
-                 lengths=lengths or Lengths())
+                 lengths=lengths or Lengths(), quantization=quantization.mode(cfg.model))
 
 
 def prompt_tokens(cfg, s: Setup) -> tuple[int, str]:
@@ -465,9 +478,18 @@ def _trainable(plan: StagePlan, s: Setup, name: str, params: float, label: str) 
     return params * s.compute_bytes if s.compute_bytes < 4 and s.strategy != "fsdp" else 0.0
 
 
-def _frozen(plan: StagePlan, s: Setup, name: str, params: float, sharded: bool = False) -> None:
+def _frozen(plan: StagePlan, s: Setup, name: str, params: float, sharded: bool = False,
+            a: Arch | None = None) -> None:
     """Frozen weights in model.dtype. `sharded`: part of the module ZeRO-3 / FSDP shard (frozen models of
-    their own, such as PPO's reward model, stay whole); DeepSpeed holds them in its compute dtype."""
+    their own, such as PPO's reward model, stay whole); DeepSpeed holds them in its compute dtype. `a`: a model
+    `model.quantization` quantizes, of this architecture (its decoder's linear layers: `quantized_linears`)."""
+    if a is not None and s.quantization:
+        weights, rows = quantized_linears(a)
+        rest = params - weights
+        plan.items.append(Item(name, rest * s.frozen_bytes + quantization.linear_bytes(s.quantization, weights, rows),
+                               f"{weights / 1e6:.2f}M decoder linear weights × {quantization.describe(s.quantization)}"
+                               f" + {rest / 1e6:.2f}M × {s.frozen_bytes} B (frozen, model.dtype)"))
+        return
     div = _shards(s)[0] if sharded else 1
     nbytes = s.compute_bytes if sharded and s.strategy == "deepspeed" else s.frozen_bytes
     kind = "offloaded" if (s.offload_params and div > 1) else "static"
@@ -488,7 +510,7 @@ def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
     cb = s.compute_bytes
     p = causal_lm_params(a)
     if bool(st.lora.enabled):
-        _frozen(plan, s, "policy base", p, sharded=True)
+        _frozen(plan, s, "policy base", p, sharded=True, a=a)
         targets, r = lora_targets(st.lora.target_modules), int(st.lora.r)
         copies = _trainable(plan, s, "LoRA adapter", lora_params(a, r, targets), "LoRA")
         kw = {"trainable": False, "lora": targets, "r": r, "residual_bytes": s.frozen_bytes}
@@ -558,7 +580,7 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
     value_targets = tuple(t for t in targets if t != "lm_head")  # a value model has no LM head
     copies = 0.0
     if bool(p.lora.enabled):
-        _frozen(plan, ps, "policy base", pl, sharded=True)
+        _frozen(plan, ps, "policy base", pl, sharded=True, a=a)
         plan.items.append(Item("reference", 0, "the policy base with its adapter disabled"))
         n_policy = lora_params(a, r, targets)
         copies += _trainable(plan, ps, "LoRA adapter", n_policy, "LoRA")
@@ -570,7 +592,7 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
     if str(p.advantage) != "gae":
         plan.items.append(Item("value model", 0, f"none: ppo.advantage={p.advantage} needs no critic"))
     elif bool(p.value_lora):
-        _frozen(plan, ps, "value trunk", pc, sharded=True)
+        _frozen(plan, ps, "value trunk", pc, sharded=True, a=a)
         n_value = lora_params(a, r, value_targets) + a.hidden_size
         copies += _trainable(plan, ps, "value LoRA + score head", n_value, "value LoRA")
     elif bool(p.sparse_value_embedding) and ps.world == 1 and not float(p.weight_decay):
@@ -586,7 +608,7 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
         copies += _trainable(plan, ps, "value model weights", pc, "value model")
     sources = p.reward
     if REWARD_MODEL in ([sources] if isinstance(sources, str) else list(sources)):
-        _frozen(plan, ps, "reward model weights", pc, sharded=True)
+        _frozen(plan, ps, "reward model weights", pc, sharded=True, a=a)
     # what a checkpoint holds: the trainable weights (fp32) and their AdamW states, plus counters and RNG
     plan.checkpoint = (n_policy + n_value) * (4 + 8)
     return copies
@@ -598,7 +620,7 @@ def _onednn_caches(cfg, a: Arch, s: Setup) -> bool:
     at least ONEDNN_MIN_DIM wide."""
     d = cfg.device
     matmul = str(d.cpu_matmul)
-    return (s.accelerator == "cpu" and str(d.fast_paths) != "off"
+    return (s.accelerator == "cpu" and str(d.fast_paths) != "off" and not s.quantization
             and (matmul == "onednn" or (matmul == "auto" and onednn_by_default()))
             and s.compute_name == "fp32" and s.frozen_bytes == 4 and a.hidden_size >= ONEDNN_MIN_DIM)
 
@@ -675,7 +697,7 @@ def fast_paths_on(cfg, s: Setup) -> bool:
     """Whether rlhf_cli.accel's speed paths run (device.fast_paths on this accelerator; never sharded)."""
     sharded = s.strategy == "fsdp" and s.world > 1
     checkpointed = bool(cfg.ppo.get("activation_checkpointing", False))  # rlhf_cli.accel.configure turns them off
-    return not (sharded or checkpointed) and enabled(str(cfg.device.get("fast_paths") or "auto"), s.accelerator)
+    return not (sharded or checkpointed or s.quantization) and enabled(str(cfg.device.get("fast_paths") or "auto"), s.accelerator)
 
 
 def _ppo_scoring(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, resp: int) -> None:
@@ -794,7 +816,7 @@ def plan_dpo(cfg, a: Arch, s: Setup) -> StagePlan:
     p = causal_lm_params(a)
     lora = bool(st.lora.enabled)
     if lora:
-        _frozen(plan, s, "policy base", p, sharded=True)
+        _frozen(plan, s, "policy base", p, sharded=True, a=a)
         plan.items.append(Item("reference", 0, "the policy base with its adapter disabled"))
         targets, r = lora_targets(st.lora.target_modules), int(st.lora.r)
         copies = _trainable(plan, s, "LoRA adapter", lora_params(a, r, targets), "LoRA")
@@ -840,6 +862,10 @@ def plan_stage(cfg, stage: str, a: Arch, s: Setup | None = None) -> StagePlan:
     kind = "cuda" if s.accelerator == "cuda" else "cpu"
     plan.overhead = RUNTIME_OVERHEAD_MIB[kind][stage] * MiB
     plan.slack = ALLOCATOR_SLACK[kind]
+    key = quantization.LORA_KEYS.get(stage)
+    if s.quantization and key and not bool(cfg[stage].lora.enabled):
+        plan.notes.append(f"planned unquantized: {stage} refuses model.quantization={s.quantization} with "
+                          f"{key}=false (set it true for QLoRA)")
     return plan
 
 

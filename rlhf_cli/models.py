@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -46,6 +47,8 @@ def setup_torch(cfg) -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*", category=UserWarning)
     warnings.filterwarnings("ignore", message=".*save_embedding_layers.*", category=UserWarning)
+    # bitsandbytes' int8 matmul says at every call that it computes in fp16, which is how LLM.int8() works
+    warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*", category=UserWarning)
 
 
 def setup_cuda() -> None:
@@ -308,10 +311,29 @@ def refuse_pickle(path) -> None:
                         "and save_pretrained(dir, safe_serialization=True)")
 
 
-def _from_pretrained(auto_cls, path, model_cfg, **kw):
-    """`auto_cls.from_pretrained` with the config's options; an attention kernel the library refuses is named
-    by its key."""
+def quantization_config(cfg):
+    """The one `BitsAndBytesConfig` of `model.quantization` (None: none): 4bit = nf4, 8bit = LLM.int8(); the
+    4-bit blocks are dequantized for each matmul in the run's compute dtype (`device.mixed_precision`; fp32
+    without autocast). Which models load with it: rlhf_cli.quantization."""
+    from rlhf_cli.quantization import mode
+
+    q = mode(cfg.model)
+    if q is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if q == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = resolve_precision(cfg)[1] or torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+
+
+def _from_pretrained(auto_cls, path, model_cfg, quant=None, **kw):
+    """`auto_cls.from_pretrained` with the config's options (`quant`: a `quantization_config`, None: plain
+    weights); an attention kernel the library refuses is named by its key."""
     opts = load_kwargs(model_cfg)
+    if quant is not None:
+        opts["quantization_config"] = quant
     refuse_pickle(path)
     try:
         return auto_cls.from_pretrained(_abs(path), **kw, **opts, use_safetensors=True)
@@ -357,22 +379,24 @@ def expect_kind(path, want: str, fix: str) -> None:
         raise RlhfError(f"{path} holds a {KINDS[kind]}, not a {KINDS[want]}; {fix}")
 
 
-def load_causal_lm(path, dtype: torch.dtype, model_cfg=None):
+def load_causal_lm(path, dtype: torch.dtype, model_cfg=None, quant=None):
+    """`quant`: frozen decoder weights quantized (`quantization_config`); everything else in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     expect_kind(path, "causal_lm", "point at a base model or at the output of rlhf sft / rlhf ppo")
-    return _from_pretrained(AutoModelForCausalLM, path, model_cfg, dtype=dtype)
+    return _from_pretrained(AutoModelForCausalLM, path, model_cfg, quant, dtype=dtype)
 
 
-def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None, trained_head: bool = False):
+def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None, trained_head: bool = False, quant=None):
     """`AutoModelForSequenceClassification(num_labels=1)`: a reward or value model; pad id set so batched
     scores are read at the last non-pad token. `trained_head`: the model must already be a sequence classifier
-    (a reward model scores with its head; a causal LM would get a random one)."""
+    (a reward model scores with its head; a causal LM would get a random one). `quant`: as load_causal_lm's
+    (the score head stays in `dtype`)."""
     from transformers import AutoModelForSequenceClassification
 
     if trained_head:
         expect_kind(path, "seq_cls", "a reward model comes from rlhf reward")
-    model = _from_pretrained(AutoModelForSequenceClassification, path, model_cfg, num_labels=1, dtype=dtype)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, model_cfg, quant, num_labels=1, dtype=dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
@@ -401,6 +425,20 @@ def merge_lora(peft_model):
         if text_cfg is not None:
             text_cfg.tie_word_embeddings = False
     return peft_model.merge_and_unload()
+
+
+def merge_unquantized(peft_model, base_path, dtype: torch.dtype, model_cfg=None):
+    """The LoRA adapter of `peft_model` (trained on a quantized base) merged into its base at `base_path` loaded
+    unquantized in `dtype`: a plain model that loads with stock transformers. It differs from the trained
+    function by the base's quantization error (the adapter learned against the quantized weights), as QLoRA
+    merges do; a 4-bit base would round the merged weights back to 4 bits instead."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    config.base_model_name_or_path = _abs(base_path)
+    plain = get_peft_model(load_causal_lm(base_path, dtype, model_cfg), config)
+    set_peft_model_state_dict(plain, {k: v.to(dtype) for k, v in get_peft_model_state_dict(peft_model).items()})
+    return merge_lora(plain)
 
 
 def same_vocab(tok_a, tok_b) -> bool:
@@ -486,23 +524,25 @@ def check_adapter_base(adapter: Path, base: Path, model_cfg=None) -> None:
                         "trained on, or set model.adapter_base_check=false to load it anyway")
 
 
-def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: bool = False, check: bool = True):
+def load_policy(path, dtype: torch.dtype, model_cfg=None, base_dir=None, merge: bool = False, check: bool = True,
+                quant=None):
     """The one way to load a policy: a plain model directory, or a LoRA adapter on top of its base (the base
     it records, a relative one read against the adapter's directory, else `base_dir`: `_adapter_base`). An SFT
     adapter used as a base is merged first, so that "adapter disabled" is exactly the SFT policy. merge=True
-    returns a plain model (tied output layers handled)."""
+    returns a plain model (tied output layers handled). `quant`: the plain model (or the adapter's base) stored
+    quantized (`quantization_config`), as PPO and eval run a QLoRA policy; rlhf export merges without it."""
     path = Path(path)
     if not (path / "adapter_config.json").exists():
         if not (path / "config.json").exists():
             raise RlhfError(f"{path} holds no model (config.json or adapter_config.json); point the config at "
                             "an `rlhf sft` or `rlhf ppo` output")
-        model = load_causal_lm(path, dtype, model_cfg)
+        model = load_causal_lm(path, dtype, model_cfg, quant)
     else:
         from peft import PeftModel
 
         base_path = _adapter_base(path, base_dir)
         check_adapter_base(path, base_path, model_cfg)
-        base = load_policy(base_path, dtype, model_cfg, merge=True, check=False)
+        base = load_policy(base_path, dtype, model_cfg, merge=True, check=False, quant=quant)
         model = PeftModel.from_pretrained(base, str(path))
         if merge:
             model = merge_lora(model)

@@ -40,6 +40,7 @@ from rlhf_cli.choices import (
     MIXED_PRECISIONS,
     MODEL_HUBS,
     PUSH_HUBS,
+    QUANTIZATIONS,
     RDZV_BACKENDS,
     RECOMPUTE_LOGPROBS,
     REPORT_TO,
@@ -185,6 +186,10 @@ SCHEMA: dict[str, Rule] = {
     "model.dtype": one_of(*DTYPES, help="storage dtype of frozen weights (reference / base, reward model, frozen "
         "trunks): auto (bf16 on GPUs that support it, else fp16 on CUDA, fp32 on the CPU) | float32 | bfloat16 | "
         "float16. Trainable weights are always fp32; compute precision: device.mixed_precision"),
+    "model.quantization": one_of(*QUANTIZATIONS, help="bitsandbytes storage of the frozen decoder weights (QLoRA): "
+        "the base under a LoRA adapter (so PPO's reference too), a LoRA value trunk, PPO's and eval's reward "
+        "model; 4bit = nf4, 8bit = int8, computed at the run's precision. Needs pip install 'rlhf-cli[qlora]'; "
+        "a stage that trains every weight of the policy is refused (rlhf_cli.quantization)"),
     "model.trust_remote_code": flag(help="run the model repository's own Python code (only for repositories you "
         "trust)"),
     "model.attn_implementation": text(null=True, help="null: the library default (sdpa) | eager | "

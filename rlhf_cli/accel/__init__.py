@@ -87,6 +87,10 @@ def configure(cfg, device_type: str) -> FastPaths:
         log.info("fast paths: off with ppo.activation_checkpointing (their forwards are not checked under the "
                  "recomputation of checkpointed layers)")
         on = False
+    if on and str(cfg.get("model", {}).get("quantization") or "none") != "none":
+        log.info("fast paths: off with model.quantization (they read plain weights: bitsandbytes layers run their "
+                 "own kernels through transformers' forwards and generate())")
+        on = False
     from rlhf_cli.accel import cpu_linear
 
     cpu_linear.set_mode(str(cfg.device.get("cpu_matmul") or "auto") if on else "blas")

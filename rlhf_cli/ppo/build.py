@@ -21,6 +21,7 @@ from rlhf_cli.models import (
     load_policy,
     load_seq_cls,
     lora_config,
+    quantization_config,
 )
 from rlhf_cli.ppo.config import REWARD_MODEL
 from rlhf_cli.ppo.forward import TokenValueModel
@@ -48,8 +49,9 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
     reference; full fine-tuning gets a frozen copy instead), the value model (gae only: from the reward model,
     the SFT policy, the base or a directory; all weights trained, or LoRA + score head on a frozen trunk) and the
     frozen reward model (only when `ppo.reward` names it: a run rewarded by functions alone needs no
-    ppo.reward_dir). Frozen weights are stored in `storage`; trainable ones in fp32. `paths`: the speed paths to
-    install (None: none); `world`: the number of processes."""
+    ppo.reward_dir). Frozen weights are stored in `storage`, their decoder layers quantized with
+    `model.quantization` (the LoRA policy's base, so the reference too; a LoRA value trunk; the reward model);
+    trainable ones in fp32. `paths`: the speed paths to install (None: none); `world`: the number of processes."""
     p = cfg.ppo
     sources = [p.reward] if isinstance(p.reward, str) else list(p.reward)
     use_rm = REWARD_MODEL in sources
@@ -62,7 +64,8 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
         if rm_tok is not None and str(p.advantage) == "gae" and str(p.value_init) == "reward":
             raise refuse_value_from(reward_dir)
     place = Placement.of(cfg, device)
-    policy, ref = _policy(cfg, tok, policy_dir, device, storage)
+    quant = quantization_config(cfg)  # rlhf_cli.quantization refused it with a full fine-tune or sharding
+    policy, ref = _policy(cfg, tok, policy_dir, device, storage, quant)
     if p.activation_checkpointing:  # before sharding: FSDP gathers a layer for its recomputation as for its backward
         checkpoint_layers(policy)
     if place.sharded:  # each model sharded as soon as it is built: never two whole models in one process
@@ -76,11 +79,12 @@ def build_ppo_models(cfg, tok, device, storage: torch.dtype, paths: FastPaths | 
             log.warning("ppo: %s has no score_stats.json; scores are not normalised", reward_dir)
     value, value_src = None, f"nowhere (ppo.advantage={p.advantage} has no critic)"
     if str(p.advantage) == "gae":
-        value, value_src = _value(cfg, tok, place.load_device, storage, policy_dir, reward_dir, stats)
+        value, value_src = _value(cfg, tok, place.load_device, storage, policy_dir, reward_dir, stats,
+                                  quant if p.value_lora else None)
         if p.activation_checkpointing:
             checkpoint_layers(value)
         value = place(value)
-    reward = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok) if use_rm else None
+    reward = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok, quant) if use_rm else None
     reward = place(reward)
     fp32_trainables(policy)
     models = PPOModels(policy=policy, ref=ref, value=value, reward=reward, score_stats=stats,
@@ -107,12 +111,13 @@ def check_context(cfg, policy_dir) -> None:
                         f"({config}); lower ppo.response_length")
 
 
-def _policy(cfg, tok, policy_dir, device, storage):
-    """(policy, ref): the SFT model with a fresh LoRA adapter and no separate reference, or (full fine-tuning)
-    the model in fp32 and a frozen copy as the reference."""
+def _policy(cfg, tok, policy_dir, device, storage, quant=None):
+    """(policy, ref): the SFT model (`quant`: its decoder quantized) with a fresh LoRA adapter and no separate
+    reference, or (full fine-tuning) the model in fp32 and a frozen copy as the reference."""
     p = cfg.ppo
     lora = bool(p.lora.enabled)
-    policy = load_policy(policy_dir, storage if lora else torch.float32, cfg.model, merge=True)
+    policy = load_policy(policy_dir, storage if lora else torch.float32, cfg.model, merge=True,
+                         quant=quant if lora else None)
     check_vocab(tok, policy, policy_dir)
     ref = None
     if lora:
@@ -125,8 +130,9 @@ def _policy(cfg, tok, policy_dir, device, storage):
     return policy, ref
 
 
-def _value(cfg, tok, device, storage, policy_dir, reward_dir, stats):
-    """(value model as a TokenValueModel, where it came from) for `ppo.value_init`."""
+def _value(cfg, tok, device, storage, policy_dir, reward_dir, stats, quant=None):
+    """(value model as a TokenValueModel, where it came from) for `ppo.value_init`; `quant`: a LoRA value
+    model's frozen trunk quantized."""
     p = cfg.ppo
     init = str(p.value_init)
     if init == "reward" and reward_dir is None:
@@ -137,7 +143,7 @@ def _value(cfg, tok, device, storage, policy_dir, reward_dir, stats):
         src = base_model_dir(cfg) if init == "base" else \
             require_dir(p.value_init, "value model init (ppo.value_init)", "rlhf reward")
     value = load_seq_cls(src, tok, storage if p.value_lora else torch.float32, cfg.model,
-                         trained_head=init == "reward")
+                         trained_head=init == "reward", quant=quant)
     if p.normalize_scores and stats is not None and init == "reward":
         # The returns are built from normalised scores; a value head copied from the RM predicts raw scores,
         # std times too large, and its first values would be noise. Rescale the head to the same units.

@@ -92,10 +92,12 @@ def own_tokenizer(reward_dir: Path, tok, cfg):
     return rm_tok
 
 
-def load_reward_model(reward_dir: Path, tok, storage: torch.dtype, cfg, device, rm_tok=None):
+def load_reward_model(reward_dir: Path, tok, storage: torch.dtype, cfg, device, rm_tok=None, quant=None):
     """The frozen reward model at `reward_dir`, ready to score: a `TokenValueModel` when it shares the policy's
-    tokenizer `tok`, else a `TextRewardModel` (`rm_tok`: its tokenizer, from `own_tokenizer`)."""
-    model = load_seq_cls(reward_dir, rm_tok or tok, storage, cfg.model, trained_head=True).eval().requires_grad_(False)
+    tokenizer `tok`, else a `TextRewardModel` (`rm_tok`: its tokenizer, from `own_tokenizer`). `quant`: its
+    decoder quantized (`rlhf_cli.models.quantization_config`)."""
+    model = load_seq_cls(reward_dir, rm_tok or tok, storage, cfg.model, trained_head=True, quant=quant)
+    model = model.eval().requires_grad_(False)
     check_finite(model, "the reward model", reward_dir)
     scorer = TokenValueModel(model).to(device).eval()
     if rm_tok is None:

@@ -17,7 +17,7 @@ import torch
 from rlhf_cli import devices, gpu_memory
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.launch import is_sharded, trainer_strategy_kwargs
-from rlhf_cli.models import resolve_precision
+from rlhf_cli.models import fp32_trainables, resolve_precision
 from rlhf_cli.resume import latest_checkpoint, partial_dir, resume_hint, run_config  # noqa: F401 - the stages' names
 from rlhf_cli.stages._checkpoints import Checkpoints, resume_unsafe_reason, safe_loading  # noqa: F401
 from rlhf_cli.tracking import trainer_report_to
@@ -37,6 +37,15 @@ def training_precision(cfg, adapters: bool = False) -> tuple[torch.dtype, dict]:
     storage, compute = resolve_precision(cfg)
     load = storage if adapters else torch.float32
     return load, {"bf16": compute == torch.bfloat16, "fp16": compute == torch.float16}
+
+
+def qlora_adapters(model) -> None:
+    """trl casts the adapters of a quantized model to bf16 (the QLoRA paper's setting); they train as every
+    trainable weight does here, in fp32 (bf16 rounds small AdamW updates away, and a CPU without bf16 units
+    runs it far slower). peft's prepare_model_for_kbit_training is not called: in peft 0.21 it upcasts every
+    unquantized frozen weight (embeddings, LM head, norms) to fp32 and turns activation checkpointing on; the
+    norms already compute in fp32 (Qwen3's RMSNorm), and `<stage>.activation_checkpointing` decides the rest."""
+    fp32_trainables(model)
 
 
 def trainer_kwargs(stage, cfg, work_dir: Path, precision: dict, n_train: int) -> dict:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from rlhf_cli import cards
+from rlhf_cli import cards, quantization
 from rlhf_cli.io import write_json
 from rlhf_cli.learned import earlier_stage_warnings, watch_gaming
-from rlhf_cli.models import merge_lora
+from rlhf_cli.models import merge_lora, merge_unquantized, resolve_precision
 from rlhf_cli.ppo import checkpoint
 from rlhf_cli.ppo.trainer import PPOTrainer
 
@@ -43,7 +43,10 @@ def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> 
     if p.merge and p.lora.enabled:
         import copy
 
-        merged = merge_lora(copy.deepcopy(trainer.unwrapped))
+        if quantization.mode(cfg.model):  # into the base unquantized, as rlhf export merges
+            merged = merge_unquantized(trainer.unwrapped, p.policy_dir, resolve_precision(cfg)[0], cfg.model)
+        else:
+            merged = merge_lora(copy.deepcopy(trainer.unwrapped))
         merged.save_pretrained(str(work / "merged"))
         tok.save_pretrained(str(work / "merged"))
     write_json(work / "metrics.json", {

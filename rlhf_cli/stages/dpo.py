@@ -7,9 +7,10 @@ of the chosen answers (trl's "sft" loss term). Every loss is trl's.
 
 The policy starts from the SFT model (`dpo.policy_dir`). With LoRA (`dpo.lora.enabled`) trl wraps it and the
 reference is the same model with the adapter disabled, so there is one copy of the weights, stored in
-`model.dtype`, and fp32 adapters; a full fine-tune trains fp32 weights against a frozen reference copy stored in
-`model.dtype`. The pairs are rendered as in the reward stage: the prompt as every stage
-renders it, the answer and EOS, which is exactly what a policy samples (`preference_rows`).
+`model.dtype` (its decoder layers quantized with `model.quantization`: QLoRA), and fp32 adapters; a full
+fine-tune trains fp32 weights against a frozen reference copy stored in `model.dtype`. The pairs are rendered as
+in the reward stage: the prompt as every stage renders it, the answer and EOS, which is exactly what a policy
+samples (`preference_rows`).
 
 Writes `dpo.output_dir`: with LoRA the adapter (its base, the SFT model, recorded relative to the run as for
 PPO's) and the tokenizer, else a plain model directory; metrics.json (held-out preference accuracy and margin of
@@ -32,11 +33,19 @@ from rlhf_cli.errors import RlhfError
 from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.launch import is_sharded
-from rlhf_cli.models import load_causal_lm, load_tokenizer, lora_config, resolve_precision, setup_torch
+from rlhf_cli.models import (
+    load_causal_lm,
+    load_tokenizer,
+    lora_config,
+    quantization_config,
+    resolve_precision,
+    setup_torch,
+)
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
     preference_rows,
+    qlora_adapters,
     require_examples,
     require_finite,
     require_finite_weights,
@@ -88,7 +97,8 @@ def build_trainer(cfg, policy_dir: Path, work: Path):
 
     lora = bool(d.lora.enabled)
     dtype, precision = training_precision(cfg, adapters=lora)
-    model = load_causal_lm(policy_dir, dtype, cfg.model)
+    quant = quantization_config(cfg) if lora else None  # rlhf_cli.quantization refused a quantized full fine-tune
+    model = load_causal_lm(policy_dir, dtype, cfg.model, quant)
     reference = None
     if not lora:  # trl would load the reference itself, in the policy's fp32; a frozen copy needs only model.dtype
         reference = load_causal_lm(policy_dir, resolve_precision(cfg)[0], cfg.model).eval().requires_grad_(False)
@@ -97,6 +107,8 @@ def build_trainer(cfg, policy_dir: Path, work: Path):
     trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None, processing_class=tok,
                          peft_config=lora_config(d.lora, "CAUSAL_LM") if lora else None)
+    if quant is not None:
+        qlora_adapters(trainer.model)
     # trl drops pairs whose prompt fills max_length (no answer token left to compare)
     for kind, rows, ds in (("training", train_rows, trainer.train_dataset),
                            ("eval", eval_rows, trainer.eval_dataset)):

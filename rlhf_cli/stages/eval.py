@@ -30,6 +30,7 @@ from rlhf_cli.models import (
     check_vocab,
     load_policy,
     load_tokenizer,
+    quantization_config,
     resolve_precision,
     setup_torch,
 )
@@ -147,9 +148,10 @@ def run(cfg) -> None:
     prompts, evals = [p for p in prompts for _ in range(k)], [x for x in evals for _ in range(k)]
     rows = _sampling.rows(evals)
 
-    rm = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok) if reward_dir is not None else None
+    quant = quantization_config(cfg)  # the frozen weights as PPO held them: its policy was trained on them
+    rm = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok, quant) if reward_dir is not None else None
     know_prompts(rm, (prompts, evals))
-    ref = load_policy(ref_dir, storage, cfg.model, merge=True).to(device).eval()
+    ref = load_policy(ref_dir, storage, cfg.model, merge=True, quant=quant).to(device).eval()
     s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
                            recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True,
                            engine=paths.sampler)
@@ -157,7 +159,7 @@ def run(cfg) -> None:
     results = {}
     bar = tqdm(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True)
     for name, path in policy_dirs.items():
-        policy = load_policy(path, storage, cfg.model, base_dir=ref_dir).to(device).eval()
+        policy = load_policy(path, storage, cfg.model, base_dir=ref_dir, quant=quant).to(device).eval()
         results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(cfg.seed), autocast, bar)
         if gt is not None:
             results[name]["ground_truth"] = gt(results[name]["texts"], prompts, rows)

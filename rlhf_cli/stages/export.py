@@ -1,11 +1,16 @@
 """`rlhf export`: the PPO policy (base + LoRA adapter) merged into a full model directory that loads with
-`AutoModelForCausalLM` alone. Writes `<ppo.output_dir>/merged` (or `export.output_dir=...`)."""
+`AutoModelForCausalLM` alone. Writes `<ppo.output_dir>/merged` (or `export.output_dir=...`).
+
+The base is always loaded unquantized, in the run's storage precision (`model.dtype`), whatever
+`model.quantization` says: an adapter trained on a 4-bit / 8-bit base (QLoRA) merges into plain weights, which
+differ from the trained policy by the base's quantization error, as every QLoRA merge does."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from rlhf_cli import quantization
 from rlhf_cli.cards import write_card
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
@@ -24,11 +29,14 @@ def run(cfg) -> None:
     base_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
     target = Path(cfg.export.output_dir or ppo_dir / "merged")
     check_output_dir(target, "export", [ppo_dir, base_dir])  # before the model loads (atomic_dir checks again)
-    model = load_policy(ppo_dir, resolve_precision(cfg)[0], cfg.model, base_dir=base_dir, merge=True)
+    storage = resolve_precision(cfg)[0]
+    model = load_policy(ppo_dir, storage, cfg.model, base_dir=base_dir, merge=True)
     tok = load_tokenizer(ppo_dir, cfg.model)
     with atomic_dir(target, "export", [ppo_dir, base_dir]) as out:
         model.save_pretrained(str(out))
         tok.save_pretrained(str(out))
         write_card(out, cfg, "export", after=ppo_dir)
+    dtype, q = str(storage).removeprefix("torch."), quantization.mode(cfg.model)
+    how = f" (the {q} base of training loaded unquantized in {dtype})" if q else f" ({dtype})"
     log.info("export: wrote the merged policy to %s", target)
-    print(f"merged model: {target}")
+    print(f"merged model: {target}{how}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import devices, gpu_memory
+from rlhf_cli import devices, gpu_memory, quantization
 from rlhf_cli.config import require_dir
 from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
@@ -74,6 +74,9 @@ def build_trainer(cfg, work: Path):
     train_rows, eval_rows = preference_rows(cfg, tok)
 
     dtype, precision = training_precision(cfg)
+    if quantization.mode(cfg.model):
+        log.info("reward: every weight trains, in fp32: model.quantization=%s applies where the reward model is "
+                 "frozen (rlhf ppo, rlhf eval)", cfg.model.quantization)
     model = load_seq_cls(init, tok, dtype, cfg.model)
     args = RewardConfig(**trainer_kwargs(r, cfg, work, precision, len(train_rows)),
                         center_rewards_coefficient=r.center_rewards_coefficient, disable_dropout=True)

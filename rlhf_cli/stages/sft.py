@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_cli import data as D
-from rlhf_cli import gpu_memory
+from rlhf_cli import gpu_memory, quantization
 from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.learned import sft_warning
@@ -26,12 +26,15 @@ from rlhf_cli.models import (
     load_tokenizer,
     lora_config,
     merge_lora,
+    merge_unquantized,
+    quantization_config,
     setup_torch,
 )
 from rlhf_cli.own_data import sft_floor, steps_per_epoch
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
+    qlora_adapters,
     require_examples,
     require_finite_weights,
     save_trained,
@@ -66,7 +69,8 @@ def build_trainer(cfg, work: Path):
     (base model dir, train rows, eval rows).
 
     Weights: a full fine-tune trains fp32 weights under autocast; with LoRA the frozen base is stored in
-    `model.dtype` and the adapters in fp32 (`training_precision`)."""
+    `model.dtype` (its decoder layers quantized with `model.quantization`: QLoRA) and the adapters in fp32
+    (`training_precision`)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -84,13 +88,16 @@ def build_trainer(cfg, work: Path):
 
     lora = bool(s.lora.enabled)
     dtype, precision = training_precision(cfg, adapters=lora)
-    model = load_causal_lm(base, dtype, cfg.model)
+    quant = quantization_config(cfg) if lora else None  # rlhf_cli.quantization refused a quantized full fine-tune
+    model = load_causal_lm(base, dtype, cfg.model, quant)
     kw = trainer_kwargs(s, cfg, work, precision, len(train_rows))
     kw["num_train_epochs"] = sft_floor(cfg, steps_per_epoch(len(train_rows), kw)) or kw["num_train_epochs"]
     args = SFTConfig(**kw, completion_only_loss=True, packing=False, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
                          processing_class=tok, peft_config=lora_config(s.lora, "CAUSAL_LM") if lora else None)
+    if quant is not None:
+        qlora_adapters(trainer.model)
     # trl drops examples whose prompt fills max_length (no answer token left to learn from)
     for kind, rows, ds in (("training", train_rows, trainer.train_dataset), ("eval", eval_rows, trainer.eval_dataset)):
         require_examples("sft", kind, len(ds) if ds is not None else 0, len(rows), int(s.max_length), max_prompt)
@@ -116,7 +123,10 @@ def run(cfg) -> None:
             end = final_eval(trainer)["eval_loss"] if n_eval else None
         model = trainer.model
         require_finite_weights(model, "sft", lr, result.global_step)
-        if bool(s.lora.enabled):
+        if bool(s.lora.enabled) and quantization.mode(cfg.model):
+            # QLoRA: merged into the base loaded unquantized in fp32 (rlhf_cli.models.merge_unquantized)
+            model = merge_unquantized(model, base, torch.float32, cfg.model)
+        elif bool(s.lora.enabled):
             # merged in fp32: a bf16 base would round the adapter's small changes away
             model = merge_lora(model.to(torch.float32))
         save_trained(trainer, model, tok, out, cfg.device)
