@@ -16,12 +16,11 @@ The trainer does no config parsing and no printing of its own: the CLI stage bui
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -31,22 +30,17 @@ from rlhf_cli import devices
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.gpu_memory import PhasePeaks
 from rlhf_cli.learned import rm_gt_disagreement
-from rlhf_cli.ppo import checkpoint, core, evaluation, rewards, shard
+from rlhf_cli.ppo import core, evaluation, rewards, run_state, shard
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
 from rlhf_cli.ppo.experience import Experience, Sampling, make_experience
 from rlhf_cli.ppo.forward import leading_padding, padding_counts, policy_logits
+from rlhf_cli.ppo.run_state import Progress
 
 if TYPE_CHECKING:
     from rlhf_cli.ppo.build import PPOModels
 
 log = logging.getLogger("rlhf")
 
-# PPOConfig fields that do not change what a run computes (how often it logs, samples, saves and evaluates, and a
-# check of the first update): left out of its run config, so they may change on resume
-NOT_SHAPING_FIELDS = ("logging_steps", "sample_every", "save_every", "save_total_limit", "eval_every", "keep_best",
-                      "first_update_kl_tolerance")
-# run-config keys of the KL controller: changed under ppo.resume=force, it restarts from the new kl_coef
-KL_KEYS = ("ppo.kl_coef", "ppo.adaptive_kl", "ppo.adaptive_kl_target", "ppo.kl_horizon")
 STAT_KEYS = ("pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio", "kl_loss")
 
 
@@ -112,13 +106,6 @@ class PromptStream:
 
     def take(self, n: int) -> list[str]:
         return [self.prompts[i] for i in self.take_indices(n)]
-
-
-@dataclass
-class Progress:
-    update: int = 0        # updates done
-    episodes: int = 0      # episodes done, over all processes
-    metrics: dict = field(default_factory=dict)
 
 
 class PPOTrainer:
@@ -487,118 +474,15 @@ class PPOTrainer:
                                  episodes)
 
     # ----------------------------------------------------------------------------------- checkpoints
+    # what a run saves and continues from lives in rlhf_cli.ppo.run_state; these are its entry points
     def run_config(self) -> dict:
-        """What shapes this run, by the config keys that set it: stored with each checkpoint and compared on resume
-        (`checkpoint.compare_run_config`). Every `PPOConfig` field but those of NOT_SHAPING_FIELDS (how often it
-        logs, samples, saves and evaluates), `run_record` (what the stage adds: data files, seed, the models'
-        content identity: `rlhf_cli.resume.ppo_record`), and what the built run has: its schedule and batches
-        (episodes are those trained, whole batches), LoRA, the value model, sources (directories recorded as
-        adapters record their base, relative inside the run directory, so a moved run still resumes)."""
-        c, sz = self.c, self.sizes
-        lora = getattr(self.unwrapped, "peft_config", {}).get("default")
-        fields = {f"ppo.{k}": v for k, v in dataclasses.asdict(c).items() if k not in NOT_SHAPING_FIELDS}
-        value, reward = self.value_model(), getattr(self.reward, "model", self.reward)
-
-        def where(src) -> str | None:
-            if not src:
-                return None
-            return checkpoint.portable_path(src, self.work, self.work.parent) if self.work else str(src)
-
-        frozen = next((q for q in (self.ref if self.ref is not None else self.unwrapped).parameters()
-                       if not q.requires_grad), None)
-        targets = getattr(lora, "target_modules", None)
-        return {
-            **fields,
-            **self.run_record,
-            "ppo.total_episodes": sz.num_updates * sz.batch_size,
-            "ppo.per_device_train_batch_size": sz.micro_batch_size,
-            "ppo.gradient_accumulation_steps": sz.gradient_accumulation_steps,
-            "ppo.num_mini_batches": sz.num_mini_batches,
-            "device.num_processes": sz.world_size,
-            "ppo.num_ppo_epochs": c.num_ppo_epochs,
-            "ppo.response_length": c.response_length,
-            "ppo.advantage": c.advantage,
-            "ppo.samples_per_prompt": c.samples_per_prompt,
-            "ppo.reward": list(c.reward),
-            "ppo.learning_rate": c.learning_rate,
-            "ppo.value_learning_rate": c.value_learning_rate,
-            "ppo.lr_scheduler_type": c.lr_scheduler_type,
-            "ppo.warmup_ratio": c.warmup_ratio,
-            "ppo.weight_decay": c.weight_decay,
-            "ppo.lora.enabled": lora is not None,
-            "ppo.lora.r": getattr(lora, "r", None),
-            "ppo.lora.alpha": getattr(lora, "lora_alpha", None),
-            "ppo.lora.target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
-            "ppo.value_lora": hasattr(value, "peft_config") if value is not None else None,
-            "ppo.policy_dir": where(lora.base_model_name_or_path if lora is not None
-                                    else getattr(self.unwrapped, "name_or_path", None)),
-            "ppo.reward_dir": where(getattr(reward, "name_or_path", None)) if reward is not None else None,
-            "model.dtype": str(frozen.dtype).replace("torch.", "") if frozen is not None else None,
-        }
+        return run_state.run_config(self)
 
     def save(self) -> Path:
-        """Checkpoint `checkpoints/checkpoint-<update>` (main process writes; every process takes part)."""
-        consumed = [self.stream.consumed]
-        rngs = [checkpoint.rng_state(self.device)]
-        if self.world > 1:
-            import torch.distributed as dist
-
-            consumed = self.acc.gather(torch.tensor([self.stream.consumed], device=self.device)).tolist()
-            rngs = [None] * self.world
-            dist.all_gather_object(rngs, checkpoint.rng_state(self.device))
-        path = self.work / "checkpoints" / f"checkpoint-{self.progress.update}"
-        with shard.whole(self.unwrapped, self.value_model(), self.optimizer):  # sharded: gathered by every process
-            if self.acc.is_main_process:
-                state = {"update": self.progress.update, "episodes": self.progress.episodes,
-                         "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                         "prompts_consumed": consumed, "metrics": self.progress.metrics, "config": self.run_config()}
-                checkpoint.save(path, self.unwrapped, self.value_model(), self.tok, state,
-                                self.optimizer.state_dict(), rngs, root=self.work.parent)
-                self.hooks.on_save(path)
-                checkpoint.prune(path.parent, self.c.save_total_limit)  # after `path` is complete
-        self.acc.wait_for_everyone()
-        return path
+        return run_state.save(self)
 
     def resume(self, path: Path, force: bool = False) -> None:
-        """Continue from checkpoint `path`: weights, optimizer, scheduler, KL controller, counters, RNG, once
-        `checkpoint.load` has checked all of it against this run. `force` (ppo.resume=force): a run config that
-        changed continues with the new values (learning rates, schedule, weight decay from here on)."""
-        fresh = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in self.optimizer.param_groups]
-        with shard.whole(self.unwrapped, self.value_model(), self.optimizer):  # sharded: whole tensors into shards
-            st = checkpoint.load(path, self.unwrapped, self.value_model(), self.rank, optimizer=self.optimizer,
-                                 run_config=self.run_config(), force=force,
-                                 states={"scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()})
-            self.optimizer.load_state_dict(st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
-        if st["changed"]:
-            self._continue_with(fresh)
-        kl_changed = [k for k in st["changed"] if k in KL_KEYS]
-        if kl_changed:  # ppo.resume=force with a new KL setting: the controller restarts from it
-            log.warning("ppo.resume=force: %s changed; the KL controller restarts at kl_coef=%g instead of the "
-                        "checkpoint's %s", ", ".join(kl_changed), self.kl_ctl.value, st["kl_ctl"].get("value"))
-        else:
-            self.kl_ctl.load_state_dict(st["kl_ctl"])
-        self.progress = Progress(update=st["update"], episodes=st["episodes"], metrics=st.get("metrics", {}))
-        consumed = st["prompts_consumed"]
-        self.stream.consumed = consumed[self.rank] if self.rank < len(consumed) else consumed[0]
-        checkpoint.set_rng_state(*st["rng"], self.device)
-        # best/ of the interrupted run stays the best so far, also when written after the checkpoint resumed
-        # from: it is an update this run trained and evaluated. Another metric than this run's starts over.
-        name, sign = self.keep or (None, 0.0)
-        best = evaluation.read_best(self.work / "best") if name else None
-        if best and (best.get("metric"), best.get("higher_is_better")) == (name, sign > 0):
-            self.best = best
-
-    def _continue_with(self, fresh: list[dict]) -> None:
-        """This run's optimizer hyper-parameters (`fresh`, one dict per group) instead of the checkpoint's, and
-        its schedule's learning rate at the step reached."""
-        groups, sch = self.optimizer.param_groups, self.scheduler
-        for g, f in zip(groups, fresh):
-            g.update(f)
-        sch.base_lrs = [g["initial_lr"] for g in groups]
-        for g, base, fn in zip(groups, sch.base_lrs, getattr(sch, "lr_lambdas", [])):
-            g["lr"] = base * fn(sch.last_epoch)
-        sch._last_lr = [g["lr"] for g in groups]
+        run_state.resume(self, path, force)
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, float]:
