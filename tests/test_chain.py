@@ -106,6 +106,31 @@ def test_eval_report(chain):
     assert abs(gt - r["policies"]["ppo"]["ground_truth_rate"]) < 1e-9
 
 
+def test_readme_eval_of_sft_ppo_and_dpo(chain):
+    """The README's "DPO or PPO" commands on this chain, as written plus a few steps, a few prompts and another
+    output directory (the chain's own report stays for the other tests): one report with the three policies."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## DPO or PPO\n", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).splitlines() if ln.strip()]
+    assert [ln.split()[:2] for ln in lines] == [["rlhf", "dpo"], ["rlhf", "eval"]], lines
+    out = chain / "runs/tiny/eval-three"
+    short = {"dpo": ["dpo.max_steps=4", "dpo.eval_steps=100", "dpo.logging_steps=2", "data.max_rows=64"],
+             "eval": ["eval.num_prompts=8", f"eval.output_dir={out}"]}
+    for ln in lines:
+        args = shlex.split(ln, comments=True)[1:]
+        ok(rlhf(chain, *args, "device.threads=1", *short[args[0]]))
+    r = json.loads((out / "report.json").read_text())
+    assert list(r["policies"]) == ["sft", "ppo", "dpo"] and r["num_prompts"] == 8
+    assert all(r["policies"][n]["ground_truth_rate"] is not None for n in r["policies"])
+    assert {"ppo_vs_sft", "dpo_vs_sft", "ppo_vs_dpo"} <= set(r["win_rate"])
+    assert r["plot"] == "training_curves.png" and r["dpo_plots"] == {"dpo": "dpo_training_curves.png"}
+    assert (out / "dpo_training_curves.png").stat().st_size > 10_000
+    assert "| metric | sft | ppo | dpo |" in (out / "report.md").read_text()
+
+
 def test_eval_without_a_reward_model(chain):
     # a run rewarded by functions alone has no reward model to score with: eval reports everything else
     out = chain / "runs/tiny/eval-no-rm"
