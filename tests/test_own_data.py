@@ -199,6 +199,35 @@ def test_gaming_warning_gets_a_line_of_its_own_under_the_progress_bar(tmp_path, 
     assert sum("update 8/10" in x for x in pieces) == 1
 
 
+def test_eval_progress_bar_gives_a_log_line_its_own_line(capsys):
+    """rlhf eval's bar (`progress_bar`): its "eval: sft done" line was written onto the bar's."""
+    import logging
+
+    from rlhf_cli.stages._console import progress_bar
+
+    log, root = logging.getLogger("rlhf"), logging.getLogger()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(name)s][%(levelname)s] - %(message)s"))
+    root.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        with progress_bar(total=4, unit="resp", desc="eval") as bar:
+            for name in ("sft", "ppo"):
+                bar.update(2)
+                bar.refresh()
+                log.info("eval: %s done", name)
+        assert bar.disable or bar.n == 4
+        assert handler in root.handlers
+    finally:
+        root.removeHandler(handler)
+        log.setLevel(level)
+    text = capsys.readouterr()
+    pieces = [x.strip() for x in text.err.replace("\r", "\n").split("\n")]
+    said = [x for x in pieces if "done" in x]
+    assert len(said) == 2 and all(x.startswith("[rlhf][INFO] - eval: ") for x in said), said
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 TINY = ["model.tiny.vocab_size=400", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
         "model.tiny.num_hidden_layers=1", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",

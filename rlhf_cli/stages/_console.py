@@ -3,7 +3,9 @@ episodes, one line per update and one per held-out evaluation."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from rlhf_cli import resume
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig
@@ -55,6 +57,21 @@ def duration(seconds: float) -> str:
     if minutes < 60:
         return f"{minutes} min {sec:02d} s"
     return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+@contextlib.contextmanager
+def progress_bar(**tqdm_kwargs) -> Iterator:
+    """A tqdm bar (closed however the block ends) with logging written through tqdm inside the block, so a log line
+    gets a line of its own instead of being written onto the bar's (rlhf eval's, PPO's `console`)."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    bar = tqdm(**tqdm_kwargs)
+    try:
+        with logging_redirect_tqdm():
+            yield bar
+    finally:
+        bar.close()
 
 
 class console:

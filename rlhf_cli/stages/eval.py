@@ -37,6 +37,7 @@ from rlhf_cli.models import (
 from rlhf_cli.ppo.evaluation import mean, sample_and_score, summarise
 from rlhf_cli.ppo.reward_model import know_prompts, load_reward_model, own_tokenizer
 from rlhf_cli.stages import _sampling
+from rlhf_cli.stages._console import progress_bar
 
 log = logging.getLogger("rlhf")
 
@@ -123,8 +124,6 @@ def markdown(report: dict) -> str:
 
 
 def run(cfg) -> None:
-    from tqdm.auto import tqdm
-
     setup_torch(cfg)
     e = cfg.eval
     policies = {name: path for name, path in e.policies.items() if path is not None}  # NAME=null: left out
@@ -157,15 +156,14 @@ def run(cfg) -> None:
                            engine=paths.sampler)
     autocast = lambda: devices.autocast(device, compute)  # noqa: E731
     results = {}
-    bar = tqdm(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True)
-    for name, path in policy_dirs.items():
-        policy = load_policy(path, storage, cfg.model, base_dir=ref_dir, quant=quant).to(device).eval()
-        results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(cfg.seed), autocast, bar)
-        if gt is not None:
-            results[name]["ground_truth"] = gt(results[name]["texts"], prompts, rows)
-        del policy
-        log.info("eval: %s done", name)
-    bar.close()
+    with progress_bar(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True) as bar:
+        for name, path in policy_dirs.items():
+            policy = load_policy(path, storage, cfg.model, base_dir=ref_dir, quant=quant).to(device).eval()
+            results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(cfg.seed), autocast, bar)
+            if gt is not None:
+                results[name]["ground_truth"] = gt(results[name]["texts"], prompts, rows)
+            del policy
+            log.info("eval: %s done", name)
 
     report = {"num_prompts": len(prompts) // k, "samples_per_prompt": k, "response_cap": int(e.response_length),
               "reward_dir": str(reward_dir) if reward_dir else None, "reference": str(ref_dir),
