@@ -136,6 +136,18 @@ def test_ppo_loads_the_policy_base_value_trunk_and_reward_model_in_4bit(base, to
     assert not quantized(value)  # a value model that trains every weight stays plain fp32
 
 
+def test_8bit_loads_int8_layers_that_run_on_the_cpu(base, tok):
+    """bitsandbytes 0.50.2 runs int8 on the CPU too (it computes in fp16 there): not refused."""
+    bnb()
+    from rlhf_cli.models import load_causal_lm, quantization_config
+
+    cfg = compose("ppo", ["model.quantization=8bit"])
+    model = load_causal_lm(base, torch.float32, cfg.model, quantization_config(cfg))
+    assert quantized(model) == {"Linear8bitLt"}
+    with torch.no_grad():
+        assert torch.isfinite(model(tok(["hello"], return_tensors="pt")["input_ids"]).logits).all()
+
+
 def test_a_4bit_policy_samples_and_scores_with_the_same_forward(base, tok):
     """PPO's first-update check: before any update the policy is the reference, so log-probs of a sampled
     response from the sampling pass and from a full forward with the adapter disabled agree on a 4-bit base."""
@@ -162,9 +174,10 @@ def test_a_4bit_policy_samples_and_scores_with_the_same_forward(base, tok):
 
 
 # ------------------------------------------------------------------------------------------------ training
-def test_qlora_sft_step_publishes_plain_weights(run_cli, tmp_path):
+def test_qlora_sft_and_dpo_steps(run_cli, tmp_path):
     """A LoRA SFT step on the 4-bit tiny base; the published model is the adapter merged into the base loaded
-    unquantized: fp32 weights, no quantization config, loadable by stock transformers."""
+    unquantized: fp32 weights, no quantization config, loadable by stock transformers. Then a LoRA DPO step on
+    that model in 4 bits: an fp32 adapter is published."""
     bnb()
     rc, out, err = run_cli("sft", *SFT_STEP, f"run_dir={tmp_path / 'run'}")
     assert rc == 0, err[-2000:]
@@ -175,6 +188,14 @@ def test_qlora_sft_step_publishes_plain_weights(run_cli, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(sft))
     assert not quantized(model) and all(p.dtype == torch.float32 for p in model.parameters())
     assert json.loads((sft / "metrics.json").read_text())["steps"] == 2
+    rc, out, err = run_cli("dpo", *SFT_STEP, "dpo.lora.enabled=true", "dpo.max_steps=2", "dpo.eval_steps=100",
+                           "dpo.per_device_train_batch_size=4", "dpo.per_device_eval_batch_size=8",
+                           f"run_dir={tmp_path / 'run'}")
+    assert rc == 0, err[-2000:]
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(tmp_path / "run" / "dpo" / "adapter_model.safetensors"))
+    assert adapter and all(t.dtype == torch.float32 for t in adapter.values())
 
 
 def test_export_merges_a_4bit_adapter_into_plain_weights(run_cli, base, tok, tmp_path):
