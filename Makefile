@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 RECIPE ?= tiny
 ARGS ?=
 TORCH_INDEX ?=
-# pytest-xdist processes for make test / test-fast: every test runs torch on one thread, so one per core
+# pytest-xdist processes for make test / test-fast: every test runs torch on one thread, so one per core; each
+# worker takes whole modules (their fixtures are built once) in tests/conftest.py's order, the costliest first
 TEST_WORKERS ?= 2
 RLHF := $(BIN)/rlhf
 # the shipped recipes, as `make help` lists them: every recipes/*.yaml beside this Makefile
@@ -77,10 +78,10 @@ chat: install ## chat with the newest trained policy (PPO, else SFT; ARGS="chat.
 	$(RLHF) chat recipe=$(RECIPE) $(ARGS)
 
 test: install ## all tests (unit + the CLI chain on the tiny recipe + 2-process runs), TEST_WORKERS processes
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 test-fast: install ## unit tests only: none that runs an rlhf command (markers cli, slow, dist)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=10 -m "not slow and not dist and not cli"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=10 -m "not slow and not dist and not cli"
 
 bench: install ## rlhf vs TRL 1.12 PPOTrainer, side by side (installs TRL 1.12 in bench/.venv-trl112)
 	$(BIN)/python bench/run.py

@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import clitools
 import psutil
 import pytest
 import torch
@@ -85,6 +86,13 @@ def rlhf(cwd: Path, *args: str, timeout: float = SAFETY_S) -> tuple[int, str, st
         except subprocess.TimeoutExpired:
             pytest.fail(f"`rlhf {' '.join(args)}` still running after {timeout} s (a safety net for a hang)")
     return p.returncode, out, err
+
+
+def one_process(cwd: Path, *args: str) -> tuple[int, str, str]:
+    """`rlhf *args` on one process, where how processes start and end is not what is tested: in the test
+    process (clitools.rlhf; a new process with RLHF_TEST_CLI=process), which saves an interpreter's imports."""
+    proc = clitools.rlhf(cwd, *args, timeout=SAFETY_S)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.fixture
@@ -241,7 +249,7 @@ def test_two_process_eval_loss_matches_one_process(chain):
     with a 1-process run on the same base."""
     root, run = chain
     one = root / "one"
-    rc, _, err = rlhf(root, "sft", f"run_dir={one}", f"model.tiny.dir={run / 'base'}", "device.threads=1",
+    rc, _, err = one_process(root, "sft", f"run_dir={one}", f"model.tiny.dir={run / 'base'}", "device.threads=1",
                       "sft.max_steps=1", "sft.eval_steps=100")
     assert rc == 0, err[-3000:]
     a = read(run / "sft" / "metrics.json")["eval_loss_start"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_dist import LONG_TEST, SAFETY_S, _gone, _tagged, _workers, read, rlhf, rlhf_process
+from test_dist import LONG_TEST, SAFETY_S, _gone, _tagged, _workers, one_process, read, rlhf, rlhf_process
 
 FSDP = ["device=cpu-fsdp", "device.threads=1"]
 DDP = ["device=cpu-ddp", "device.num_processes=2", "device.threads=1", "device.fast_paths=off"]
@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
     run = root / "runs" / "tiny"
     for args in (["sft", "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5"],
                  ["reward", "reward.max_steps=10", "reward.eval_steps=5"]):
-        rc, _, err = rlhf(root, *args, "device.threads=1")
+        rc, _, err = one_process(root, *args, "device.threads=1")
         assert rc == 0, err[-3000:]
     rc, out, err = rlhf(root, "ppo", *FSDP, *PPO, f"ppo.output_dir={run / 'ppo-fsdp'}")
     assert rc == 0, err[-3000:]
@@ -123,7 +123,7 @@ def test_sharded_checkpoint_resumes_on_one_process(runs):
     on several processes: stepped row by row it would be another optimizer parameter.)"""
     root, run = runs
     _interrupted(run, "one")
-    rc, out, err = rlhf(root, "ppo", "device.threads=1", *PPO, "ppo.gradient_accumulation_steps=8",
+    rc, out, err = one_process(root, "ppo", "device.threads=1", *PPO, "ppo.gradient_accumulation_steps=8",
                         "ppo.sparse_value_embedding=false", f"ppo.output_dir={run / 'one'}", "ppo.resume=force")
     assert rc == 0, err[-3000:]
     assert "checkpoint-1" in out + err and "device.num_processes" in out + err
