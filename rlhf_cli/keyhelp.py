@@ -1,6 +1,6 @@
 """`rlhf <command> --help`: the command's keys, grouped, each with its value in the composed config (after the
 recipe and the overrides given) and its help, both read from their one definition: the value from the config
-groups in conf/, the type and meaning from `rlhf_cli.schema.SCHEMA`. Imports no torch or transformers."""
+groups in conf/, the type and meaning from `rlhf_cli.keys.SCHEMA`. Imports no torch or transformers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import textwrap
 
 from rlhf_cli import schema
 from rlhf_cli.config import CONF_DIR, compose
+from rlhf_cli.keys import SCHEMA, Rule
 from rlhf_cli.recipes import resolved
 from rlhf_cli.stage_table import STAGES
 
@@ -36,11 +37,11 @@ def command_help(command: str, overrides: list[str], width: int | None = None) -
             for g in ("model", "data", "device")]
     sections = [(command, f"{command}: this command's keys")] if command in cfg else []
     for prefix, title in (*sections, *SHARED):
-        keys = _TOP if prefix == "" else [k for k in schema.SCHEMA if k.startswith(prefix + ".")]
+        keys = _TOP if prefix == "" else [k for k in SCHEMA if k.startswith(prefix + ".")]
         if prefix == "logging" and "logging" not in cfg:
             continue
         out += ["", title + " (value now; what it means)"]
-        out += [_line(k, _value(values, k), schema.SCHEMA[k], width) for k in keys]
+        out += [_line(k, _value(values, k), SCHEMA[k], width) for k in keys]
     out += ["", ("Set a key with key=value (ppo.kl_coef=0.1), a group with group=option (device=cuda); "
                  f"`rlhf {command} --cfg job` prints the composed config, `rlhf --help` the commands.")]
     return "\n".join(out) + "\n"
@@ -64,7 +65,7 @@ def _value(values: dict, key: str):
     return node
 
 
-def _line(key: str, value, rule: schema.Rule, width: int) -> str:
+def _line(key: str, value, rule: Rule, width: int) -> str:
     head = f"  {key} = {_show(value)}"
     accepts = schema.describe(rule) if rule.kind in _SAY_ACCEPTS else ""
     what = f"{rule.help} [{accepts}]" if accepts and accepts not in rule.help else rule.help

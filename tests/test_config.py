@@ -179,7 +179,7 @@ def test_schema_knows_every_key_of_every_composed_config():
     for name, cfg in composed_configs():
         for key in group_leaves(cfg) - set(schema.SCHEMA):
             unknown.setdefault(key, name)
-    assert not unknown, f"keys in conf/ or recipes/ that rlhf_cli/schema.py does not know: {unknown}"
+    assert not unknown, f"keys in conf/ or recipes/ that rlhf_cli/keys.py does not know: {unknown}"
 
 
 def test_every_schema_key_is_in_the_config():
@@ -200,7 +200,7 @@ def test_every_yaml_key_is_in_the_schema(path):
     rel = path.relative_to(CONF_DIR).parts if CONF_DIR in path.parents else ("recipes",)
     prefix = {"stage": path.stem + ".", "recipes": ""}.get(rel[0], "" if len(rel) == 1 else rel[0] + ".")
     for key in leaf_keys(raw, prefix):
-        assert key in schema.SCHEMA, f"{path}: {key} is not in rlhf_cli/schema.py"
+        assert key in schema.SCHEMA, f"{path}: {key} is not in rlhf_cli/keys.py"
         value = raw
         for part in key[len(prefix):].split(".") if prefix else key.split("."):
             value = value[part]

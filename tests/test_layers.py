@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "rlhf_cli"
 # rank of each module (prefix match, longest first); a module may import modules of its own rank or lower
 RANKS = {
     "rlhf_cli": 0, "rlhf_cli.errors": 0, "rlhf_cli.choices": 0, "rlhf_cli.accel.limits": 0, "rlhf_cli.stage_table": 0,
-    "rlhf_cli.io": 1, "rlhf_cli.schema": 1, "rlhf_cli.config": 1, "rlhf_cli.data": 1, "rlhf_cli.demo": 1,
+    "rlhf_cli.io": 1, "rlhf_cli.keys": 1, "rlhf_cli.schema": 1, "rlhf_cli.config": 1, "rlhf_cli.data": 1, "rlhf_cli.demo": 1,
     "rlhf_cli.tiny": 1, "rlhf_cli.launch": 1, "rlhf_cli.supervise": 1, "rlhf_cli.precision": 1,
     "rlhf_cli.gpu_memory": 1, "rlhf_cli.devices": 1, "rlhf_cli.identity": 1, "rlhf_cli.hints": 1,
     "rlhf_cli.run_logs": 1, "rlhf_cli.run_lock": 1, "rlhf_cli.quantization": 1,

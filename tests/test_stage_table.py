@@ -87,7 +87,7 @@ print("ok")
 
 def test_a_new_training_stage_is_five_files(tmp_path):
     """A throwaway stage added to a copy of the package: its row in the table, its module, its config group, its
-    line in config.yaml's defaults and its keys in the schema; nothing else. It then runs, is launched over
+    line in config.yaml's defaults and its keys (rlhf_cli/keys.py); nothing else. It then runs, is launched over
     processes, checks its keys and has its --help page (a memory plan for `rlhf doctor` would be a sixth file,
     its planner in rlhf_cli/memory.py)."""
     import shutil
@@ -99,7 +99,7 @@ def test_a_new_training_stage_is_five_files(tmp_path):
         "rlhf_cli/stage_table.py": ('    Stage("doctor",', ('    Stage("hello", "greets (a throwaway stage)", '
                                     'trains=True, needs_data=True, output=True, resume="trainer"),\n    Stage("doctor",')),
         "conf/config.yaml": ("  - stage@push: push\n", "  - stage@push: push\n  - stage@hello: hello\n"),
-        "rlhf_cli/schema.py": ('    # ---- conf/stage/doctor.yaml', ('    **_trainer_keys("hello"),\n'
+        "rlhf_cli/keys.py": ('    # ---- conf/stage/doctor.yaml', ('    **_trainer_keys("hello"),\n'
                                '    "hello.name": text(help="who is greeted"),\n    # ---- conf/stage/doctor.yaml')),
     }
     for path, (old, new) in edits.items():

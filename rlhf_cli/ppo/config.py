@@ -1,7 +1,7 @@
 """The PPO hyper-parameters as one typed object, built once from the `ppo` config group by `from_cfg`.
 
 Each field is a key of the `ppo` group: its type, range, allowed values and meaning are written once, in
-`rlhf_cli.schema.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that
+`rlhf_cli.keys.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that
 entry's kind, and tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less
 `NOT_FIELDS`, typed as the schema says. `check` tests the keys that only make sense together."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from rlhf_cli.choices import ADVANTAGES, REWARD_MODEL
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.schema import SCHEMA
+from rlhf_cli.keys import SCHEMA
 
 GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: samples_per_prompt ≥ 2
 # ppo.* keys that are not fields: batch sizes (rlhf_cli.config.ppo_sizes), model sources and LoRA
