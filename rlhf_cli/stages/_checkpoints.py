@@ -113,6 +113,7 @@ class Checkpoints:
         self.stage, self.work, self.resume_from, self.token = stage, work, resume_from, token
         self.shape = shape  # the run's settings (R.run_shape), as its checkpoints record them
         self.main = process_rank()[0] == 0
+        self._trainer = None  # the trainer `train` runs, whose writers a failed run closes before its folder goes
 
     @property
     def resumed_step(self) -> int | None:
@@ -177,6 +178,7 @@ class Checkpoints:
 
     def __exit__(self, kind, exc, tb) -> None:
         if kind is not None and self.main and R.latest_checkpoint(self.work) is None:
+            _close_writers(self._trainer)  # else TensorBoard's writer thread may write into it while it goes
             shutil.rmtree(self.work, ignore_errors=True)
 
     def remembered(self, key: str):
@@ -196,6 +198,7 @@ class Checkpoints:
         """`trainer.train()`, from the checkpoint when resuming (weights, optimizer, scheduler, RNG and the
         position in the data), with nothing loaded through pickle."""
         trainer.add_callback(_no_pickled_args_class()())
+        self._trainer = trainer
         if self.resume_from is None:
             return trainer.train()
         import pickle
@@ -230,3 +233,13 @@ class Checkpoints:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             if self.main and read_json(self.work / R.RUN_FILE).get("run") == self.token:
                 shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _close_writers(trainer) -> None:
+    """Close the TensorBoard writers of `trainer`'s callbacks (transformers' TensorBoardCallback), flushing
+    their events now rather than from their own thread later."""
+    for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", ()):
+        writer = getattr(callback, "tb_writer", None)
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
