@@ -241,7 +241,7 @@ def test_ppo_plan_terms():
     (["device=cuda"], False),
 ])
 def test_onednn_caches_are_planned_by_rule(overrides, counted, monkeypatch):
-    monkeypatch.setattr(M, "onednn_by_default", lambda: True)
+    monkeypatch.setattr(M.ppo_plan, "onednn_by_default", lambda: True)
     cfg = compose("ppo", ["recipe=qwen3-0.6b", "device=cpu", *overrides])
     names = [i.name for i in M.plan_stage(cfg, "ppo", QWEN).items]
     assert ("oneDNN primitive caches" in names) is counted
@@ -249,7 +249,7 @@ def test_onednn_caches_are_planned_by_rule(overrides, counted, monkeypatch):
     narrow = replace(QWEN, hidden_size=64)
     assert "oneDNN primitive caches" not in [i.name for i in M.plan_stage(cfg, "ppo", narrow).items]
     if not overrides:  # auto on an Intel CPU keeps BLAS: no caches
-        monkeypatch.setattr(M, "onednn_by_default", lambda: False)
+        monkeypatch.setattr(M.ppo_plan, "onednn_by_default", lambda: False)
         assert "oneDNN primitive caches" not in [i.name for i in M.plan_stage(cfg, "ppo", QWEN).items]
 
 
@@ -272,9 +272,12 @@ def test_the_planner_imports_no_torch_and_times_nothing():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    tree = ast.parse(Path(M.__file__).read_text(encoding="utf-8"))
-    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods = set()
+    for path in sorted(Path(M.__file__).parent.glob("*.py")):  # the package: every module of the planner
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {"rlhf_cli.memory.arch", "rlhf_cli.memory.plan", "rlhf_cli.memory.ppo_plan"} <= mods
     inside = {m for m in mods if m.startswith(("rlhf_cli.ppo", "rlhf_cli.accel"))}
     assert inside <= {"rlhf_cli.accel.limits"}, inside
     assert not {m for m in mods if m.split(".")[0] in ("torch", "time", "timeit")}
