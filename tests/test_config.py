@@ -3,6 +3,8 @@ the PPO batch arithmetic."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import math
 from pathlib import Path
@@ -166,12 +168,22 @@ def group_leaves(cfg: DictConfig) -> set[str]:
 
 
 def composed_configs():
+    """(name, config) of every recipe and command and of every group option: composed once per test process
+    (Hydra composition is most of three tests' time), each caller getting its own copies."""
+    for name, cfg in _composed_once():
+        yield name, copy.deepcopy(cfg)
+
+
+@functools.cache
+def _composed_once() -> tuple[tuple[str, DictConfig], ...]:
+    out = []
     for recipe in recipe_names():
         for command in COMMANDS:
-            yield f"{command} recipe={recipe}", compose(command, [f"recipe={recipe}"], validate=False)
+            out.append((f"{command} recipe={recipe}", compose(command, [f"recipe={recipe}"], validate=False)))
     for group, options in (("device", DEVICES), ("model", MODELS), ("data", DATA)):
         for option in options:
-            yield f"{group}={option}", compose("sft", [f"{group}={option}"], validate=False)
+            out.append((f"{group}={option}", compose("sft", [f"{group}={option}"], validate=False)))
+    return tuple(out)
 
 
 def test_schema_knows_every_key_of_every_composed_config():
