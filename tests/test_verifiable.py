@@ -52,6 +52,31 @@ def test_summarise_groups_k_samples_per_prompt():
     assert no_gt["truncation_rate"] == pytest.approx(0.25) and "pass_at_1" not in no_gt
 
 
+def test_rm_gt_disagreement_in_a_report_is_ppos_by_the_reward_stages_mean():
+    """Four responses, the checker passing the first two, the reward stage's mean score 0: disagreeing are the
+    passing one scored below 0 and the failing one scored above it (2 of 4); a policy whose responses all pass and
+    all score above the line disagrees on none (the old line, the mean score of passing responses, put half of
+    them below it)."""
+    s = {"texts": ["x"] * 4, "rm_score": [2.0, -1.0, 0.5, -3.0], "kl": [0.0] * 4, "length": [3] * 4,
+         "eos": [True] * 4, "empty": [False] * 4, "ground_truth": [1, 1, 0, 0]}
+    assert evaluation.summarise(s, 1, rm_line=0.0)["rm_gt_disagreement"] == pytest.approx(2 / 4)
+    all_pass = {**s, "rm_score": [3.0, 2.5, 4.0, 3.5], "ground_truth": [1, 1, 1, 1]}
+    assert evaluation.summarise(all_pass, 1, rm_line=0.0)["rm_gt_disagreement"] == 0.0
+    # without the reward stage's line: the responses' own mean score (-0.375): 2.0 and 0.5 above, -1.0, -3.0 below
+    assert evaluation.summarise(s, 1)["rm_gt_disagreement"] == pytest.approx(2 / 4)
+
+
+def test_report_with_one_response_per_prompt_shows_pass_at_1_once():
+    from rlhf_cli.stages.eval import markdown
+
+    row = {"rm_score_mean": 1.0, "ground_truth_rate": 0.5, "pass_at_1": 0.5, "pass_at_k": 0.5, "mean_at_k": 0.5}
+    report = {"num_prompts": 2, "samples_per_prompt": 1, "response_cap": 8, "policies": {"sft": row},
+              "win_rate": {}, "samples": {}}
+    assert markdown(report).count("| pass@1 |") == 1 and "| mean@1 |" not in markdown(report)
+    four = markdown({**report, "samples_per_prompt": 4})
+    assert "| pass@1 |" in four and "| pass@4 |" in four and "| mean@4 |" in four
+
+
 def test_metric_names_pass_at_k_only_with_a_checker():
     assert not {"eval/pass_at_1", "eval/pass_at_k", "eval/mean_at_k"} & set(metric_names(True, False))
     assert {"eval/pass_at_1", "eval/pass_at_k", "eval/mean_at_k"} <= set(metric_names(False, True))

@@ -23,6 +23,7 @@ import torch
 
 from rlhf_cli import devices
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.learned import rm_gt_disagreement
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.experience import Sampling, make_experience
 from rlhf_cli.ppo.rewards import GroundTruth
@@ -91,11 +92,13 @@ def verifiable(ground_truth: list[float], k: int) -> dict:
             "mean_at_k": mean([mean(g) for g in groups])}
 
 
-def summarise(s: dict, samples_per_prompt: int = 1) -> dict:
+def summarise(s: dict, samples_per_prompt: int = 1, rm_line: float | None = None) -> dict:
     """One policy's row. The truncation rate: the share of responses cut at the response cap (no stop token).
     With ground truth (`s["ground_truth"]`, values in [0, 1]; a response passes at ≥ 0.5): its mean, pass@1,
     pass@k and mean@k over the `samples_per_prompt` consecutive responses of each prompt, the RM score on passing
-    and failing responses, and how often the RM and the checker disagree."""
+    and failing responses, and how often the RM and the checker disagree (`rm_gt_disagreement`, as PPO logs it:
+    an RM score above `rm_line`, the reward stage's mean score, where the checker fails, or below it where the
+    checker passes; without `rm_line` the responses' own mean score)."""
     scored = all(r is not None for r in s["rm_score"])
     row = {"rm_score_mean": mean(s["rm_score"]) if scored else None, "kl_to_ref_mean": mean(s["kl"]),
            "response_length_mean": mean(s["length"]), "eos_rate": mean([float(x) for x in s["eos"]]),
@@ -112,8 +115,8 @@ def summarise(s: dict, samples_per_prompt: int = 1) -> dict:
         # reward hacking: responses the checker rejects but the RM scores like the ones it accepts
         row["rm_score_mean_on_gt_fail"] = mean(bad) if bad else None
         row["rm_score_mean_on_gt_pass"] = mean(good) if good else None
-        threshold = mean(good) if good else 0.0
-        row["rm_gt_disagreement"] = mean([float((r >= threshold) != g) for r, g in zip(s["rm_score"], ok)])
+        line = rm_line if rm_line is not None else mean(s["rm_score"])
+        row["rm_gt_disagreement"] = rm_gt_disagreement(s["rm_score"], [float(x) for x in s["ground_truth"]], line)
     return row
 
 
@@ -175,7 +178,8 @@ class Evaluator:
             parts = [None] * world
             dist.all_gather_object(parts, s)
             s = {k: [x for p in parts for x in p[k]] for k in s}
-        row = summarise(s, k)
+        stats = getattr(trainer, "score_stats", None)
+        row = summarise(s, k, stats["mean"] if stats else None)
         return {tag: float(row[key]) for tag, key in EVAL_TAGS.items() if row.get(key) is not None}
 
 

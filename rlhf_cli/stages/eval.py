@@ -23,7 +23,6 @@ import logging
 from pathlib import Path
 
 from rlhf_cli import accel, devices
-from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
 from rlhf_cli.io import atomic_dir, check_output_dir, output_kind, read_json, write_json
 from rlhf_cli.models import (
@@ -36,6 +35,7 @@ from rlhf_cli.models import (
 )
 from rlhf_cli.ppo.evaluation import mean, sample_and_score, summarise
 from rlhf_cli.ppo.reward_model import know_prompts, load_reward_model, own_tokenizer
+from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.stages import _sampling
 from rlhf_cli.stages._console import progress_bar
 
@@ -97,7 +97,8 @@ def markdown(report: dict) -> str:
     keys = ["rm_score_mean", "ground_truth_rate", "pass_at_1", "pass_at_k", "mean_at_k", "kl_to_ref_mean",
             "response_length_mean", "eos_rate", "truncation_rate", "empty_rate", "rm_score_mean_on_gt_fail",
             "rm_gt_disagreement"]
-    keys = [k for k in keys if any(pols[p].get(k) is not None for p in pols)]
+    keys = [k for k in keys if any(pols[p].get(k) is not None for p in pols)
+            and not (n == 1 and k in ("pass_at_k", "mean_at_k"))]  # one response per prompt: they are pass@1
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [f"# rlhf eval: {report['num_prompts']} held-out prompts", "",
              f"{n} response(s) per prompt, at most {report.get('response_cap')} tokens each (the response cap; "
@@ -108,8 +109,9 @@ def markdown(report: dict) -> str:
                      for k, v in report["win_rate"].items()]
     if report.get("ground_truth"):
         lines += ["", f"ground truth: `{report['ground_truth']}` (data.ground_truth)" + (
-            "; rm_gt_disagreement: share of responses where the reward model (score above the mean score of "
-            "responses the checker accepts) and the checker disagree." if report.get("reward_dir") else ".")]
+            "; rm_gt_disagreement: share of responses where the reward model (a score above the mean score of the "
+            "reward stage's training answers) and the checker disagree, as `rlhf ppo` logs it."
+            if report.get("reward_dir") else ".")]
     lines += [""]
     if report.get("plot"):
         lines += [f"![training curves]({report['plot']})", ""]
@@ -165,9 +167,11 @@ def run(cfg) -> None:
             del policy
             log.info("eval: %s done", name)
 
+    stats = reward_dir / "score_stats.json" if reward_dir is not None else None
+    rm_line = read_json(stats).get("mean") if stats is not None and stats.is_file() else None  # as PPO's
     report = {"num_prompts": len(prompts) // k, "samples_per_prompt": k, "response_cap": int(e.response_length),
               "reward_dir": str(reward_dir) if reward_dir else None, "reference": str(ref_dir),
-              "policies": {n: summarise(s, k) for n, s in results.items()}, "win_rate": {}, "samples": {}}
+              "policies": {n: summarise(s, k, rm_line) for n, s in results.items()}, "win_rate": {}, "samples": {}}
     if gt is not None:
         report["ground_truth"] = gt.spec
     names = list(results) if rm is not None else []  # win rates compare reward-model scores
