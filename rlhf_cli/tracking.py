@@ -103,8 +103,9 @@ class Writer:
     """SummaryWriter's add_scalar / add_text / close, written to TensorBoard and/or a wandb run. Without
     either (processes other than the main one, or logging.report_to=[]) every call does nothing."""
 
-    def __init__(self, tensorboard=None, wandb_run=None):
+    def __init__(self, tensorboard=None, wandb_run=None, hooks=None):
         self.tensorboard, self.wandb_run = tensorboard, wandb_run
+        self._hooks = hooks  # (sys.exit, sys.excepthook) before wandb.init replaced them, put back on close
 
     @property
     def enabled(self) -> bool:
@@ -133,6 +134,9 @@ class Writer:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+        if self._hooks is not None:  # wandb's exit hook turns a later sys.exit() into sys.exit(0)
+            sys.exit, sys.excepthook = self._hooks
+            self._hooks = None
 
 
 def make_writer(cfg, log_dir: str | Path, is_main: bool) -> Writer:
@@ -143,7 +147,7 @@ def make_writer(cfg, log_dir: str | Path, is_main: bool) -> Writer:
     backends = report_to(cfg)
     if "wandb" in backends:
         require_wandb()
-    tensorboard = wandb_run = None
+    tensorboard = wandb_run = hooks = None
     if "tensorboard" in backends:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -152,8 +156,9 @@ def make_writer(cfg, log_dir: str | Path, is_main: bool) -> Writer:
         import wandb
 
         settings = {k: v for k, v in wandb_settings(cfg).items() if v is not None}
+        hooks = (sys.exit, sys.excepthook)
         wandb_run = wandb.init(config=_config_dict(cfg), **settings)
-    return Writer(tensorboard, wandb_run)
+    return Writer(tensorboard, wandb_run, hooks)
 
 
 def finish() -> None:

@@ -91,6 +91,7 @@ def _process_state(cwd: Path, stdin: str, tmp: Path):
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     saved_torch = (torch.get_num_threads(), torch.get_default_dtype(), torch.get_rng_state(), random.getstate())
     saved_logging = _logging_state(logging)
+    saved_hooks = (sys.exit, sys.excepthook)  # wandb's run replaces both (its exit makes sys.exit() exit 0)
     os.environ.update(cli_env())
     os.chdir(cwd)
     try:
@@ -104,6 +105,7 @@ def _process_state(cwd: Path, stdin: str, tmp: Path):
     finally:
         _drop_singletons()
         _restore_logging(logging, saved_logging)
+        sys.exit, sys.excepthook = saved_hooks
         for sig, handler in saved_signals.items():
             signal.signal(sig, handler)
         torch.set_num_threads(saved_torch[0])

@@ -282,6 +282,7 @@ def test_ppo_writer_logs_tensorboard_and_wandb_offline(wandb_offline):
     from rlhf_cli.config import compose
 
     cfg = compose("ppo", ["logging.report_to=[tensorboard,wandb]", f"logging.wandb.dir={wandb_offline}"])
+    hooks = (sys.exit, sys.excepthook)
     writer = tracking.make_writer(cfg, wandb_offline / "tb", is_main=True)
     assert writer.enabled and writer.wandb_run is not None
     assert writer.wandb_run.name == "tiny-ppo"
@@ -292,6 +293,7 @@ def test_ppo_writer_logs_tensorboard_and_wandb_offline(wandb_offline):
     writer.add_text("samples", "| prompt | response |\n|---|---|\n| 'hi' | 'hello' |", 128)
     writer.close()
     tracking.finish()
+    assert (sys.exit, sys.excepthook) == hooks  # wandb's hooks go with its run (they make sys.exit() exit 0)
     assert list((wandb_offline / "tb").glob("events.out.tfevents.*"))
     runs = list((wandb_offline / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
