@@ -134,6 +134,14 @@ def _lora_keys(stage: str, enabled: str, target_modules: str = "") -> dict[str, 
                                                  "such as [q_proj, v_proj]" + target_modules)}
 
 
+def _saved_modules_key(stage: str) -> dict[str, Rule]:
+    """`<stage>.lora.modules_to_save`: whole layers trained beside the adapter (peft's modules_to_save)."""
+    return {f"{stage}.lora.modules_to_save": Rule(
+        "modules", nullable=True, help="layers trained whole beside the adapter, e.g. [lm_head] or [lm_head, "
+        "embed_tokens]: an output layer the adapter alone cannot move (a random or new one); tied input and "
+        "output embeddings stay tied; null: none")}
+
+
 SCHEMA: dict[str, Rule] = {
     # ---- conf/config.yaml (top level)
     "command": one_of(*COMMANDS, help="set by the dispatcher: the rlhf command that runs"),
@@ -256,6 +264,7 @@ SCHEMA: dict[str, Rule] = {
     **_lora_keys("sft", "train a LoRA adapter and merge it on save (the output is a plain model); the frozen base "
                         "is stored in model.dtype, the adapter in fp32 (false: full fine-tuning in fp32)"),
     "sft.lora.dropout": number(0, lt=1, help="dropout on the adapter's input"),
+    **_saved_modules_key("sft"),
     # ---- conf/stage/reward.yaml
     **_trainer_keys("reward"),
     "reward.init_from": text(help="a model directory, or \"base\" for the base model"),
@@ -371,6 +380,7 @@ SCHEMA: dict[str, Rule] = {
                         "every weight trains (fp32) against a frozen reference copy in model.dtype",
                  " (trl reads the LM head's weight directly: a LoRA on lm_head would never train)"),
     "dpo.lora.dropout": number(0, lt=1, help="dropout on the adapter's input"),
+    **_saved_modules_key("dpo"),
     "dpo.policy_dir": text(help="the SFT model (a plain model directory)"),
     "dpo.loss_type": one_of(*DPO_LOSSES, help="sigmoid (DPO) | ipo | robust (cDPO, with label_smoothing) | hinge "
         "(SLiC) | exo_pair | nca_pair | bco_pair | sppo_hard | aot | apo_zero | apo_down | discopop | sigmoid_norm"),

@@ -407,8 +407,11 @@ def lora_config(lcfg, task_type: str):
     targets = lcfg.target_modules
     if not isinstance(targets, str):
         targets = list(targets)
+    saved = lcfg.get("modules_to_save")
+    saved = [saved] if isinstance(saved, str) else list(saved) if saved else None
     return LoraConfig(r=int(lcfg.r), lora_alpha=int(lcfg.alpha), lora_dropout=float(lcfg.get("dropout", 0.0)),
-                      target_modules=targets, task_type=task_type)
+                      target_modules=targets, task_type=task_type, modules_to_save=saved,
+                      ensure_weight_tying=bool(saved))
 
 
 def merge_lora(peft_model):
