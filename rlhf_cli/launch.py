@@ -139,7 +139,7 @@ def collective_timeout_s(device) -> int:
 def accelerator_kwargs(device) -> dict:
     """Keyword arguments for `accelerate.Accelerator(**...)` in a stage that drives accelerate itself (ppo).
 
-    `mixed_precision="no"`: the stage decides its compute dtype (models.resolve_compute_dtype) and autocasts
+    `mixed_precision="no"`: the stage decides its compute dtype (hardware.resolve_compute_dtype) and autocasts
     itself, so accelerate must not add its own autocast (nor take one from an outer `accelerate launch`). The
     process group gets `device.collective_timeout_s`, so a lost peer fails the run instead of hanging it."""
     from datetime import timedelta

@@ -1,6 +1,6 @@
 """The precision rule, defined once and torch-free: the dtype that stores frozen weights and the one
 activations and logits are computed in, from `model.dtype`, `device.mixed_precision` and what the machine has.
-The stages get torch dtypes through `rlhf_cli.models.resolve_precision`; the doctor (`rlhf_cli.memory`) plans
+The stages get torch dtypes through `rlhf_cli.hardware.resolve_precision`; the doctor (`rlhf_cli.memory`) plans
 with this directly.
 
 Frozen weights (the reference / base, the reward model, frozen trunks) may be stored in bf16/fp16 to save

@@ -112,7 +112,7 @@ def test_full_fine_tune_counts_trainable_weights_as_fp32_even_in_bf16():
                                                "sft.lora.enabled=true"]), "sft", QWEN))
     assert lora["policy base"].bytes == n * 2
     assert lora["LoRA adapter"].bytes == M.lora_params(QWEN, 16, "all-linear") * 4
-    # fp32 compute over bf16 frozen weights runs at their dtype (models.resolve_precision)
+    # fp32 compute over bf16 frozen weights runs at their dtype (hardware.resolve_precision)
     cpu_bf16 = M.setup_from(compose("ppo", ["model.dtype=bfloat16", "device.mixed_precision=no"]))
     assert (cpu_bf16.frozen_bytes, cpu_bf16.compute_bytes) == (2, 2)
     assert (M.setup_from(compose("ppo")).frozen_bytes, M.setup_from(compose("ppo")).compute_bytes) == (4, 4)
@@ -123,21 +123,21 @@ def test_cpu_bf16_without_units_warns_once(monkeypatch, caplog):
     naming the keys that switch to fp32; none for fp32, none where the CPU has the units."""
     import logging
 
-    import rlhf_cli.models as models
+    import rlhf_cli.hardware as hardware
 
     cfg = compose("ppo", ["model.dtype=bfloat16"])
     for native, expect in ((True, 0), (None, 0), (False, 1)):
-        monkeypatch.setattr(models, "cpu_bf16_native", lambda native=native: native)
-        monkeypatch.setattr(models, "_WARNED", set())
+        monkeypatch.setattr(hardware, "cpu_bf16_native", lambda native=native: native)
+        monkeypatch.setattr(hardware, "_WARNED", set())
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="rlhf"):
-            models.resolve_precision(cfg)
-            models.resolve_precision(cfg)
-            models.resolve_precision(compose("ppo"))
+            hardware.resolve_precision(cfg)
+            hardware.resolve_precision(cfg)
+            hardware.resolve_precision(compose("ppo"))
         hits = [r.message for r in caplog.records if "bf16 units" in r.message]
         assert len(hits) == expect, (native, hits)
     assert "model.dtype=float32 device.mixed_precision=no" in hits[0]
-    assert models.cpu_bf16_native() in (True, False, None)
+    assert hardware.cpu_bf16_native() in (True, False, None)
 
 
 def test_activation_formula_matches_saved_tensors():

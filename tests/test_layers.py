@@ -12,9 +12,9 @@ RANKS = {
     "rlhf_cli.io": 1, "rlhf_cli.keys": 1, "rlhf_cli.schema": 1, "rlhf_cli.config": 1, "rlhf_cli.data": 1, "rlhf_cli.demo": 1,
     "rlhf_cli.tiny": 1, "rlhf_cli.launch": 1, "rlhf_cli.supervise": 1, "rlhf_cli.precision": 1,
     "rlhf_cli.gpu_memory": 1, "rlhf_cli.devices": 1, "rlhf_cli.identity": 1, "rlhf_cli.hints": 1,
-    "rlhf_cli.run_logs": 1, "rlhf_cli.run_lock": 1, "rlhf_cli.quantization": 1,
+    "rlhf_cli.run_logs": 1, "rlhf_cli.run_lock": 1, "rlhf_cli.quantization": 1, "rlhf_cli.hardware": 1,
     "rlhf_cli.tracking": 2, "rlhf_cli.models": 2, "rlhf_cli.memory": 2, "rlhf_cli.resume": 2, "rlhf_cli.own_data": 2,
-    "rlhf_cli.cards": 2, "rlhf_cli.learned": 2,
+    "rlhf_cli.cards": 2, "rlhf_cli.learned": 2, "rlhf_cli.sources": 2,
     "rlhf_cli.accel": 3, "rlhf_cli.ppo.core": 2,
     "rlhf_cli.ppo": 4,
     "rlhf_cli.stages": 5,
@@ -89,8 +89,6 @@ LONG = {
                             "the loading, sandboxing and checks of user code",
     "rlhf_cli.ppo.trainer": "the PPO loop read top to bottom as numbered steps; its checkpoints are run_state's",
     "rlhf_cli.ppo.core": "pure tensor maths, each estimator and loss with its formula and reference",
-    "rlhf_cli.models": "model sources and loading, plus the process's torch setup and the hardware probes (their "
-                       "own module is the next split: the stages and tests import and patch them here)",
 }
 
 

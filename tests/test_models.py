@@ -10,7 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.models import load_tokenizer, resolve_dtype, resolve_model_source
+from rlhf_cli.hardware import resolve_dtype
+from rlhf_cli.models import load_tokenizer
+from rlhf_cli.sources import resolve_model_source
 
 
 @pytest.fixture
@@ -228,19 +230,19 @@ def test_unknown_attn_implementation_names_the_key(tmp_path):
 
 def test_pre_ampere_bf16_emulation_is_not_native(monkeypatch):
     """torch says bf16 is supported on pre-Ampere GPUs through emulation; `auto` must pick fp16 there."""
-    from rlhf_cli import models
+    from rlhf_cli import hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert models.cuda_bf16_native("cuda") is False and models.cuda_bf16_native("cpu") is None
-    assert models.resolve_dtype("auto", "cuda") == torch.float16
-    assert models.resolve_compute_dtype("auto", "cuda") == torch.float16
+    assert hardware.cuda_bf16_native("cuda") is False and hardware.cuda_bf16_native("cpu") is None
+    assert hardware.resolve_dtype("auto", "cuda") == torch.float16
+    assert hardware.resolve_compute_dtype("auto", "cuda") == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere+
-    assert models.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert hardware.resolve_dtype("auto", "cuda") == torch.bfloat16
 
 
 def test_cuda_processes_get_their_own_gpu_and_a_growing_allocator(monkeypatch):
-    from rlhf_cli import models
+    from rlhf_cli import hardware
 
     chosen = []
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
@@ -248,10 +250,10 @@ def test_cuda_processes_get_their_own_gpu_and_a_growing_allocator(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    models.setup_cuda()
+    hardware.setup_cuda()
     assert chosen == [1] and os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")  # the user's own setting stays
-    models.setup_cuda()
+    hardware.setup_cuda()
     assert os.environ["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
@@ -299,13 +301,13 @@ def test_an_unreachable_hub_is_one_line_before_the_client_retries(tmp_path, monk
     naming the host, without the hub client's half minute of retries."""
     import socket
 
-    from rlhf_cli import models
+    from rlhf_cli import sources
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
-    assert "127.0.0.1 cannot be reached (ConnectionRefusedError" in models.unreachable(hub)
+    assert "127.0.0.1 cannot be reached (ConnectionRefusedError" in sources.unreachable(hub)
     with pytest.raises(RlhfError, match=rf"Org/Missing is not in the local {hub} cache and 127.0.0.1 cannot be "
                                         r"reached .*check the network \(`rlhf doctor`\)"):
         resolve_model_source("Org/Missing", hub=hub, cache_dir=str(tmp_path), offline=False)

@@ -57,12 +57,12 @@ def test_bad_names(dtype, mp, needle):
 
 
 def test_the_stages_and_the_doctor_apply_the_same_rule():
-    """models.resolve_precision (torch dtypes, this machine) and memory.setup_from (names, the recipe's
+    """hardware.resolve_precision (torch dtypes, this machine) and memory.setup_from (names, the recipe's
     device) agree on a CPU, where they see the same machine."""
     torch = pytest.importorskip("torch")
     from rlhf_cli import memory as M
     from rlhf_cli.config import compose
-    from rlhf_cli.models import resolve_precision
+    from rlhf_cli.hardware import resolve_precision
 
     for ov in ([], ["model.dtype=bfloat16"], ["device.mixed_precision=bf16"], ["model.dtype=float16"]):
         cfg = compose("ppo", ov)

@@ -188,7 +188,7 @@ def tiny_base(tmp_path_factory):
 def sft_run(run_dir: Path, tiny_base: Path, *overrides: str):
     """(Checkpoints, trainer) of a 4-step SFT on 64 rows with a checkpoint every 2 steps."""
     from rlhf_cli.config import compose
-    from rlhf_cli.models import setup_torch
+    from rlhf_cli.hardware import setup_torch
     from rlhf_cli.stages import sft
     from rlhf_cli.stages._common import Checkpoints
 

@@ -14,7 +14,7 @@ from clitools import rlhf
 
 from rlhf_cli.config import compose
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.models import setup_torch
+from rlhf_cli.hardware import setup_torch
 from rlhf_cli.stages._common import (
     metrics_line,
     require_finite,

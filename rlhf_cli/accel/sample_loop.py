@@ -21,7 +21,7 @@ from torch import nn
 from rlhf_cli.accel import cpu_linear
 from rlhf_cli.accel.decode import Decoder
 from rlhf_cli.accel.limits import CPU_MERGE_MAX_BYTES, cpu_fields
-from rlhf_cli.models import cpu_flag
+from rlhf_cli.hardware import cpu_flag
 from rlhf_cli.ppo.core import limit_vocab, position_ids_from
 
 # Generation settings the sampling loop below implements; anything else goes through `generate()`.

@@ -9,7 +9,7 @@ Parameters (Qwen3 / Llama-style decoder: RMSNorm, grouped-query attention, SwiGL
     1-output score head (h) instead of the LM head. LoRA adds r·(in + out) per adapted linear layer
     ("all-linear": q, k, v, o, gate, up, down; the LM head only when named, and never on a value model).
 
-Precision (rlhf_cli.precision, the rule models.resolve_precision applies too)
+Precision (rlhf_cli.precision, the rule hardware.resolve_precision applies too)
     `model.dtype` (wb) stores FROZEN weights: the PPO policy's base (with its adapter disabled, also the
     reference), the reward model, a LoRA value model's trunk. `device.mixed_precision` (cb) is the compute
     dtype of activations and logits (autocast). Every TRAINABLE parameter is fp32 with fp32 gradients and

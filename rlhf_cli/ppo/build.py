@@ -14,19 +14,12 @@ from rlhf_cli.accel import FastPaths
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import read_json
-from rlhf_cli.models import (
-    base_model_dir,
-    check_vocab,
-    fp32_trainables,
-    load_policy,
-    load_seq_cls,
-    lora_config,
-    quantization_config,
-)
+from rlhf_cli.models import check_vocab, fp32_trainables, load_policy, load_seq_cls, lora_config, quantization_config
 from rlhf_cli.ppo.config import REWARD_MODEL
 from rlhf_cli.ppo.forward import TokenValueModel
 from rlhf_cli.ppo.reward_model import load_reward_model, own_tokenizer, refuse_value_from
 from rlhf_cli.ppo.shard import Placement, checkpoint_layers
+from rlhf_cli.sources import base_model_dir
 
 log = logging.getLogger("rlhf")
 

@@ -16,8 +16,9 @@ import torch
 
 from rlhf_cli import devices, gpu_memory
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.hardware import resolve_precision
 from rlhf_cli.launch import is_sharded, trainer_strategy_kwargs
-from rlhf_cli.models import fp32_trainables, resolve_precision
+from rlhf_cli.models import fp32_trainables
 from rlhf_cli.resume import latest_checkpoint, partial_dir, resume_hint, run_config  # noqa: F401 - the stages' names
 from rlhf_cli.stages._checkpoints import Checkpoints, resume_unsafe_reason, safe_loading  # noqa: F401
 from rlhf_cli.tracking import trainer_report_to

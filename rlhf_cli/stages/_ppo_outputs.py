@@ -7,9 +7,10 @@ import logging
 from pathlib import Path
 
 from rlhf_cli import cards, quantization
+from rlhf_cli.hardware import resolve_precision
 from rlhf_cli.io import write_json
 from rlhf_cli.learned import earlier_stage_warnings, watch_gaming
-from rlhf_cli.models import merge_lora, merge_unquantized, resolve_precision
+from rlhf_cli.models import merge_lora, merge_unquantized
 from rlhf_cli.ppo import checkpoint
 from rlhf_cli.ppo.trainer import PPOTrainer
 

@@ -15,7 +15,8 @@ from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
+from rlhf_cli.models import load_policy, load_tokenizer
+from rlhf_cli.hardware import resolve_precision, setup_torch
 
 RESET = "/reset"
 QUIT = ("exit", "quit", "/exit", "/quit")

@@ -54,7 +54,7 @@ def devices() -> dict:
     except ImportError:
         return info
     info["torch_cuda"] = torch.version.cuda
-    from rlhf_cli.models import cpu_bf16_native
+    from rlhf_cli.hardware import cpu_bf16_native
 
     info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     info["cpu_bf16"] = cpu_bf16_native()
@@ -68,7 +68,7 @@ def devices() -> dict:
 
 
 def _hosts() -> dict[str, tuple[str, int]]:
-    from rlhf_cli.models import hub_hosts
+    from rlhf_cli.sources import hub_hosts
 
     hosts = hub_hosts()
     return {"ModelScope": hosts["modelscope"], "Hugging Face hub": hosts["hf"]}
@@ -113,7 +113,7 @@ def tokenizer_dir(cfg) -> tuple[Path | None, str]:
         return sft_out, str(sft_out)
     name = str(cfg.model.name_or_path)
     if is_tiny_spec(name):
-        from rlhf_cli.models import base_model_dir
+        from rlhf_cli.sources import base_model_dir
 
         return base_model_dir(cfg), f"{cfg.model.tiny.dir} (the tiny base)"
     local = Path(name).expanduser()

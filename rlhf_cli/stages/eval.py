@@ -24,15 +24,9 @@ from pathlib import Path
 
 from rlhf_cli import accel, devices
 from rlhf_cli.config import require_dir
+from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, check_output_dir, output_kind, read_json, write_json
-from rlhf_cli.models import (
-    check_vocab,
-    load_policy,
-    load_tokenizer,
-    quantization_config,
-    resolve_precision,
-    setup_torch,
-)
+from rlhf_cli.models import check_vocab, load_policy, load_tokenizer, quantization_config
 from rlhf_cli.ppo.evaluation import mean, sample_and_score, summarise
 from rlhf_cli.ppo.reward_model import know_prompts, load_reward_model, own_tokenizer
 from rlhf_cli.stage_table import POLICIES

@@ -14,8 +14,9 @@ from rlhf_cli import quantization
 from rlhf_cli.cards import write_card
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, check_output_dir
-from rlhf_cli.models import load_policy, load_tokenizer, resolve_precision, setup_torch
+from rlhf_cli.models import load_policy, load_tokenizer
 
 log = logging.getLogger("rlhf")
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from rlhf_cli import accel, devices, resume
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import publish
-from rlhf_cli.models import check_vocab, load_tokenizer, resolve_precision, setup_torch
+from rlhf_cli.models import check_vocab, load_tokenizer
 from rlhf_cli.ppo import evaluation, shard
 from rlhf_cli.ppo.build import build_ppo_models
 from rlhf_cli.ppo.config import REWARD_MODEL, PPOConfig

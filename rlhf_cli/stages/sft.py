@@ -18,19 +18,19 @@ import torch
 from rlhf_cli import data as D
 from rlhf_cli import gpu_memory, quantization
 from rlhf_cli.cards import write_card
+from rlhf_cli.hardware import setup_torch
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.learned import sft_warning
 from rlhf_cli.models import (
-    base_model_dir,
     load_causal_lm,
     load_tokenizer,
     lora_config,
     merge_lora,
     merge_unquantized,
     quantization_config,
-    setup_torch,
 )
 from rlhf_cli.own_data import sft_floor, steps_per_epoch
+from rlhf_cli.sources import base_model_dir
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
