@@ -13,6 +13,7 @@ RANKS = {
     "rlhf_cli.tiny": 1, "rlhf_cli.launch": 1, "rlhf_cli.supervise": 1, "rlhf_cli.precision": 1,
     "rlhf_cli.gpu_memory": 1, "rlhf_cli.devices": 1, "rlhf_cli.identity": 1, "rlhf_cli.hints": 1,
     "rlhf_cli.run_logs": 1, "rlhf_cli.run_lock": 1, "rlhf_cli.quantization": 1, "rlhf_cli.hardware": 1,
+    "rlhf_cli.settings": 1,
     "rlhf_cli.tracking": 2, "rlhf_cli.models": 2, "rlhf_cli.memory": 2, "rlhf_cli.resume": 2, "rlhf_cli.own_data": 2,
     "rlhf_cli.cards": 2, "rlhf_cli.learned": 2, "rlhf_cli.sources": 2,
     "rlhf_cli.accel": 3, "rlhf_cli.ppo.core": 2,

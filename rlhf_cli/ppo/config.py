@@ -2,8 +2,9 @@
 
 Each field is a key of the `ppo` group: its type, range, allowed values and meaning are written once, in
 `rlhf_cli.keys.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that
-entry's kind, and tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less
-`NOT_FIELDS`, typed as the schema says. `check` tests the keys that only make sense together."""
+entry's kind (`rlhf_cli.settings.cast`: `recompute_logprobs`, true / false / auto, becomes lower-case text), and
+tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less `NOT_FIELDS`, typed as
+the schema says. `check` tests the keys that only make sense together."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, fields
 from rlhf_cli.choices import ADVANTAGES, REWARD_MODEL
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.keys import SCHEMA
+from rlhf_cli.settings import cast
 
 GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: samples_per_prompt ≥ 2
 # ppo.* keys that are not fields: batch sizes (rlhf_cli.config.ppo_sizes), model sources and LoRA
@@ -24,9 +26,6 @@ NOT_FIELDS = frozenset({
     "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
     "rollout_forward_batch_size", "resume", "fresh", "merge",
 })
-# schema kind -> how a value is cast; list kinds become tuples of the item type
-_CAST = {"int": int, "float": float, "bool": bool, "text": str, "enum": str, "scheduler": str}
-_ITEMS = {"int_list": int, "number_list": float, "sources": str}
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class PPOConfig:
     @classmethod
     def from_cfg(cls, p) -> PPOConfig:
         """From the `ppo` group (a DictConfig or mapping); each value cast by its schema entry's kind."""
-        return cls(**{f.name: _cast(SCHEMA[f"ppo.{f.name}"].kind, p[f.name]) for f in fields(cls)})
+        return cls(**{f.name: cast(SCHEMA[f"ppo.{f.name}"], p[f.name]) for f in fields(cls)})
 
     @property
     def value_lr(self) -> float:
@@ -125,14 +124,3 @@ class PPOConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
             raise RlhfError(f"ppo.reward_weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "
                             f"reward source(s) ({', '.join(self.reward)}); give one weight per source, or null")
-
-
-def _cast(kind: str, v):
-    """A config value as its field holds it: None stays None, lists become tuples (a single entry a 1-tuple),
-    `recompute_logprobs` (true / false / auto) becomes lower-case text."""
-    if v is None:
-        return None
-    if kind in _ITEMS:
-        item = _ITEMS[kind]
-        return (item(v),) if isinstance(v, (str, int, float)) else tuple(item(i) for i in v)
-    return str(v).lower() if isinstance(v, bool) and kind == "enum" else _CAST[kind](v)

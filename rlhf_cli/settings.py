@@ -1,0 +1,79 @@
+"""A config group as one frozen, typed object: `view("sft", cfg.sft)` has a field per key of `sft.*` in
+`rlhf_cli.keys.SCHEMA` (a subgroup such as `sft.lora` a nested view), each value cast by its key's kind
+(`cast`). The keys' types, ranges and meanings stay written once, in keys.py; a stage builds its views once at its
+entry and hands them to its helpers instead of the DictConfig.
+
+Imports no torch or transformers."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import fields, make_dataclass
+from types import MappingProxyType
+
+from rlhf_cli.keys import SCHEMA, Rule
+
+# kind -> how a value is cast; list kinds become tuples of the item type
+CAST = {"int": int, "float": float, "bool": bool, "text": str, "enum": str, "scheduler": str, "function": str}
+ITEMS = {"int_list": int, "number_list": float, "sources": str, "enum_list": str}
+# kind -> the field's annotation (a view is read, not type-checked: the annotation documents the value)
+_TYPES = {**{k: f"{t.__name__} | None" for k, t in CAST.items()},
+          **{k: f"tuple[{t.__name__}, ...] | None" for k, t in ITEMS.items()},
+          "modules": "str | tuple[str, ...] | None", "mapping": "Mapping[str, str | None]"}
+
+
+def cast(rule: Rule, v):
+    """A config value as a typed field holds it: None stays None; list kinds become tuples (a single entry a
+    1-tuple); an enum is text (true / false as lower-case text); an int's named value beside its range
+    (`device.num_processes=auto`) stays as it is; `modules` is a name or a tuple of names, `mapping` a read-only
+    dict."""
+    if v is None:
+        return None
+    kind = rule.kind
+    if kind in ITEMS:
+        item = ITEMS[kind]
+        return (item(v),) if isinstance(v, (str, int, float)) else tuple(item(i) for i in v)
+    if kind == "modules":
+        return str(v) if isinstance(v, str) else tuple(str(i) for i in v)
+    if kind == "mapping":
+        return MappingProxyType({str(k): None if x is None else str(x) for k, x in v.items()})
+    if kind == "int" and isinstance(v, str) and v in rule.choices:
+        return v
+    return str(v).lower() if isinstance(v, bool) and kind == "enum" else CAST[kind](v)
+
+
+class Settings:
+    """What every view has beside its fields: `get` as a DictConfig node has it, so that a function reading a
+    group by attribute and `.get` takes either."""
+
+    __slots__ = ()
+
+    def get(self, name: str, default=None):
+        return getattr(self, name, default)
+
+
+@functools.cache
+def view_type(group: str) -> type:
+    """The frozen dataclass of `group` ("sft", "device", "sft.lora", ...): its keys in SCHEMA's order, a subgroup
+    as one field holding its own view."""
+    prefix = group + "."
+    names: dict[str, object] = {}
+    for key, rule in SCHEMA.items():
+        if key.startswith(prefix):
+            head, _, rest = key[len(prefix):].partition(".")
+            names.setdefault(head, view_type(prefix + head) if rest else _TYPES[rule.kind])
+    cls_name = "".join(p.title() for p in group.split(".")) + "Settings"
+    return make_dataclass(cls_name, list(names.items()), bases=(Settings,), frozen=True, slots=True)
+
+
+def view(group: str, node) -> Settings:
+    """The typed view of `group` from its node of the composed config (a DictConfig or a mapping); a key the node
+    does not hold is None."""
+    cls = view_type(group)
+    node = {} if node is None else node
+    values = {}
+    for f in fields(cls):
+        key = f"{group}.{f.name}"
+        values[f.name] = cast(SCHEMA[key], node.get(f.name)) if key in SCHEMA else view(key, node.get(f.name))
+    return cls(**values)
+

@@ -1,0 +1,43 @@
+"""rlhf_cli.settings: a config group as a frozen, typed view whose fields are exactly the group's keys in keys.py,
+each value cast by its key's kind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rlhf_cli.config import compose
+from rlhf_cli.keys import GROUPS, SCHEMA
+from rlhf_cli.settings import Settings, view
+
+
+def flat(settings: Settings, group: str) -> set[str]:
+    """The keys a view holds, subgroups flattened (`sft.lora.r`)."""
+    out = set()
+    for f in dataclasses.fields(settings):
+        value, key = getattr(settings, f.name), f"{group}.{f.name}"
+        out |= flat(value, key) if isinstance(value, Settings) else {key}
+    return out
+
+
+@pytest.mark.parametrize("group", sorted(set(GROUPS)))
+def test_fields_are_the_groups_keys(group):
+    cfg = compose("sft")
+    assert flat(view(group, cfg.get(group)), group) == {k for k in SCHEMA if k.startswith(group + ".")}
+
+
+def test_values_are_cast_by_kind_and_frozen():
+    cfg = compose("sft", ["sft.learning_rate=1", "sft.lora.target_modules=q_proj", "dpo.rpo_alpha=null",
+                          "device.num_processes=auto", "logging.report_to=[tensorboard]"])
+    s = view("sft", cfg.sft)
+    assert s.learning_rate == 1.0 and type(s.learning_rate) is float  # an int on the command line, a float key
+    assert type(s.max_steps) is int and type(s.lora.enabled) is bool and s.lora.target_modules == "q_proj"
+    assert s.get("lora").r == cfg.sft.lora.r and s.get("no_such_key", 3) == 3
+    assert view("dpo", cfg.dpo).rpo_alpha is None
+    assert view("device", cfg.device).num_processes == "auto"  # a named value beside the range stays
+    assert view("logging", cfg.logging).report_to == ("tensorboard",)
+    assert view("sft", compose("sft", ["sft.lora.target_modules=[q_proj,v_proj]"]).sft).lora.target_modules \
+        == ("q_proj", "v_proj")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.learning_rate = 2.0
