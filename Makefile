@@ -62,8 +62,8 @@ chain-grpo: install ## the tiny chain with GRPO (4 responses per prompt, no valu
 chain-rule: install ## the tiny chain rewarded by the politeness rule (no reward model in ppo)
 	$(MAKE) chain RECIPE=tiny-rule ARGS='$(ARGS)'
 
-chain-qlora: install ## the tiny chain with 4-bit frozen weights in ppo / eval (recipe tiny-qlora; sft unquantized)
-	$(RLHF) sft recipe=tiny-qlora model.quantization=none $(ARGS)
+chain-qlora: install ## the tiny chain on a 4-bit base: QLoRA sft, reward, ppo / eval with 4-bit frozen weights
+	$(RLHF) sft recipe=tiny-qlora $(ARGS)
 	$(RLHF) reward recipe=tiny-qlora $(ARGS)
 	$(RLHF) ppo recipe=tiny-qlora $(ARGS)
 	$(RLHF) eval recipe=tiny-qlora $(ARGS)

@@ -45,7 +45,11 @@ def test_lora_stages_and_reward_pass_the_check():
     for command, args in (("sft", ["sft.lora.enabled=true"]), ("dpo", ["dpo.lora.enabled=true"]), ("ppo", []),
                           ("reward", []), ("eval", [])):
         quantization.check(compose(command, ["model.quantization=8bit", *args]))
-    quantization.check(compose("sft", ["model.quantization=none"]))  # the recipe's full fine-tune
+    quantization.check(compose("sft", ["model.quantization=none"]))  # a full fine-tune, unquantized
+    recipe = compose("sft", ["recipe=tiny-qlora"])  # make chain-qlora's SFT: QLoRA, the embedding trained whole
+    quantization.check(recipe)
+    assert recipe.model.quantization == "4bit" and recipe.sft.lora.enabled
+    assert list(recipe.sft.lora.modules_to_save) == ["lm_head"]
 
 
 def test_sharding_and_a_missing_bitsandbytes_are_one_line(monkeypatch):
@@ -173,13 +177,33 @@ def test_a_4bit_policy_samples_and_scores_with_the_same_forward(base, tok):
     assert (sampled - ref).abs().mean().item() < 1e-3
 
 
+def test_modules_to_save_train_the_tied_output_layer_that_the_fused_head_reads(base):
+    """sft.lora.modules_to_save=[lm_head] on a model with tied embeddings: the output layer trains whole, stays
+    tied to the input embedding, and `get_output_embeddings().weight` (what trl's fused LM head multiplies by) is
+    the trainable copy."""
+    bnb()
+    from peft import get_peft_model
+
+    from rlhf_cli.models import load_causal_lm, lora_config, quantization_config
+
+    cfg = compose("sft", ["recipe=tiny-qlora"])
+    model = get_peft_model(load_causal_lm(base, torch.float32, cfg.model, quantization_config(cfg)),
+                           lora_config(cfg.sft.lora, "CAUSAL_LM"))
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight.requires_grad and head.weight is emb.weight
+    assert quantized(model) == {"Linear4bit"}
+    plain = get_peft_model(load_causal_lm(base, torch.float32), lora_config(compose("sft", []).sft.lora, "CAUSAL_LM"))
+    assert not plain.get_output_embeddings().weight.requires_grad  # without the key: frozen, as before
+
+
 # ------------------------------------------------------------------------------------------------ training
 def test_qlora_sft_and_dpo_steps(run_cli, tmp_path):
     """A LoRA SFT step on the 4-bit tiny base; the published model is the adapter merged into the base loaded
     unquantized: fp32 weights, no quantization config, loadable by stock transformers. Then a LoRA DPO step on
     that model in 4 bits: an fp32 adapter is published."""
     bnb()
-    rc, out, err = run_cli("sft", *SFT_STEP, f"run_dir={tmp_path / 'run'}")
+    rc, out, err = run_cli("sft", *SFT_STEP, "sft.lora.modules_to_save=[lm_head]", "sft.learning_rate=1e-2",
+                           f"run_dir={tmp_path / 'run'}")
     assert rc == 0, err[-2000:]
     sft = tmp_path / "run" / "sft"
     assert "quantization_config" not in json.loads((sft / "config.json").read_text())
@@ -187,6 +211,10 @@ def test_qlora_sft_and_dpo_steps(run_cli, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(str(sft))
     assert not quantized(model) and all(p.dtype == torch.float32 for p in model.parameters())
+    # the embedding trained whole (modules_to_save) is in the merged model, still tied to the output layer
+    before = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "base")).get_input_embeddings().weight
+    assert not torch.equal(model.get_input_embeddings().weight, before)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert json.loads((sft / "metrics.json").read_text())["steps"] == 2
     rc, out, err = run_cli("dpo", *SFT_STEP, "dpo.lora.enabled=true", "dpo.max_steps=2", "dpo.eval_steps=100",
                            "dpo.per_device_train_batch_size=4", "dpo.per_device_eval_batch_size=8",
