@@ -203,20 +203,24 @@ def test_atomic_dir_single_writer_uses_its_own_name(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------ the chain on 2 CPU processes (gloo)
 DDP = ["device=cpu-ddp", "device.num_processes=2", "device.threads=1"]
+# a few hundred training rows: each process tokenizes all of them, and 10 steps need no more than that
+ROWS = "data.max_rows=256"
+# the chain's PPO run, checkpointed at every update: test_two_process_ppo_counts_outputs_and_resume resumes it
+PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1", "ppo.save_every=1"]
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     run = root / "runs" / "tiny"
-    rc, out, err = rlhf(root, "sft", *DDP, "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5")
+    rc, out, err = rlhf(root, "sft", *DDP, ROWS, "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5")
     assert rc == 0, err[-3000:]
     assert "accelerate launch" in out + err and "--num_processes 2" in out + err  # through the launcher
-    rc, out, err = rlhf(root, "reward", *DDP, "reward.max_steps=10", "reward.eval_steps=5")
+    rc, out, err = rlhf(root, "reward", *DDP, ROWS, "reward.max_steps=10", "reward.eval_steps=5")
     assert rc == 0, err[-3000:]
     # rank 0 prints the result line, rank 1's stdout is silenced
     assert sum(line.startswith("reward: held-out accuracy") for line in out.splitlines()) == 1
-    rc, out, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1")
+    rc, out, err = rlhf(root, "ppo", *DDP, *PPO)
     assert rc == 0, err[-3000:]
     return root, run
 
@@ -235,7 +239,7 @@ def test_two_process_sft_and_reward_outputs(chain):
     rw = read(run / "reward" / "metrics.json")
     assert rw["steps"] == 10 and rw["eval_accuracy"] is not None
     stats = read(run / "reward" / "score_stats.json")
-    assert stats["n"] == 2048 and stats["std"] > 0
+    assert stats["n"] == 2 * 256 and stats["std"] > 0  # both answers of every training pair (data.max_rows)
     AutoModelForSequenceClassification.from_pretrained(run / "reward", num_labels=1)
     # no temporary or half-renamed directories left by either rank
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
@@ -250,7 +254,7 @@ def test_two_process_eval_loss_matches_one_process(chain):
     root, run = chain
     one = root / "one"
     rc, _, err = one_process(root, "sft", f"run_dir={one}", f"model.tiny.dir={run / 'base'}", "device.threads=1",
-                      "sft.max_steps=1", "sft.eval_steps=100")
+                      "sft.max_steps=1", "sft.eval_steps=100", "data.max_rows=64")
     assert rc == 0, err[-3000:]
     a = read(run / "sft" / "metrics.json")["eval_loss_start"]
     b = read(one / "sft" / "metrics.json")["eval_loss_start"]
@@ -273,18 +277,15 @@ def test_two_process_ppo_counts_outputs_and_resume(chain):
     assert list((run / "ppo" / "tensorboard").iterdir())
     with contextlib.chdir(run / "ppo"):  # the base is recorded relative to the adapter
         AutoPeftModelForCausalLM.from_pretrained(".")
-    # an interrupted 2-process run (killed after checkpoint 1) resumes on 2 processes and ends as the whole run
+    # an interrupted 2-process run (the chain's, killed after checkpoint 1) resumes on 2 processes and ends as the
+    # whole run
     out = run / "ppo-resumed"
-    rc, _, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.save_every=1",
-                      f"ppo.output_dir={out}")
-    assert rc == 0, err[-3000:]
-    whole = read(out / "metrics.json")
+    whole = read(run / "ppo" / "metrics.json")
     partial = run / ".ppo-resumed.partial"
-    shutil.copytree(out, partial)
+    shutil.copytree(run / "ppo", partial)
     shutil.rmtree(partial / "checkpoints" / "checkpoint-2")
     (partial / "metrics.json").unlink()
-    rc, out_, err = rlhf(root, "ppo", *DDP, "ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.save_every=1",
-                         f"ppo.output_dir={out}", "ppo.resume=true")
+    rc, out_, err = rlhf(root, "ppo", *DDP, *PPO, f"ppo.output_dir={out}", "ppo.resume=true")
     assert rc == 0, err[-3000:]
     assert "resumed from" in out_ + err and "checkpoint-1" in out_ + err
     m = read(out / "metrics.json")
@@ -322,7 +323,7 @@ def test_two_process_fsdp_sft_saves_full_weights(chain):
     root, run = chain
     out = root / "fsdp-sft"
     rc, _, err = rlhf(root, "sft", "device=fsdp", "device.accelerator=cpu", "device.threads=1",
-                      "device.num_processes=2", "sft.max_steps=4", "sft.eval_steps=100",
+                      "device.num_processes=2", "sft.max_steps=4", "sft.eval_steps=100", ROWS,
                       f"sft.output_dir={out}")
     assert rc == 0, err[-3000:]
     assert read(out / "metrics.json")["steps"] == 4
