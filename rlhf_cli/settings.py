@@ -52,28 +52,37 @@ class Settings:
         return getattr(self, name, default)
 
 
+def _key(group: str, name: str) -> str:
+    return f"{group}.{name}" if group else name
+
+
 @functools.cache
 def view_type(group: str) -> type:
-    """The frozen dataclass of `group` ("sft", "device", "sft.lora", ...): its keys in SCHEMA's order, a subgroup
-    as one field holding its own view."""
-    prefix = group + "."
+    """The frozen dataclass of `group` ("sft", "device", "sft.lora", ...; "": the whole config, every group a
+    field): its keys in SCHEMA's order, a subgroup as one field holding its own view."""
+    prefix = group + "." if group else ""
     names: dict[str, object] = {}
     for key, rule in SCHEMA.items():
         if key.startswith(prefix):
             head, _, rest = key[len(prefix):].partition(".")
             names.setdefault(head, view_type(prefix + head) if rest else _TYPES[rule.kind])
-    cls_name = "".join(p.title() for p in group.split(".")) + "Settings"
-    return make_dataclass(cls_name, list(names.items()), bases=(Settings,), frozen=True, slots=True)
+    cls_name = "".join(p.title() for p in group.split(".")) or "Run"
+    return make_dataclass(cls_name + "Settings", list(names.items()), bases=(Settings,), frozen=True, slots=True)
 
 
 def view(group: str, node) -> Settings:
-    """The typed view of `group` from its node of the composed config (a DictConfig or a mapping); a key the node
-    does not hold is None."""
+    """The typed view of `group` from its node of the composed config (a DictConfig or a mapping; group "": the
+    composed config itself); a key the node does not hold is None."""
     cls = view_type(group)
     node = {} if node is None else node
     values = {}
     for f in fields(cls):
-        key = f"{group}.{f.name}"
+        key = _key(group, f.name)
         values[f.name] = cast(SCHEMA[key], node.get(f.name)) if key in SCHEMA else view(key, node.get(f.name))
     return cls(**values)
 
+
+def of(cfg) -> Settings:
+    """The whole composed config as one typed view: `of(cfg).sft.lora.r`, `of(cfg).seed`. It reads as the
+    DictConfig does (attributes, `get`), so a function that reads a config by attribute takes either."""
+    return view("", cfg)

@@ -26,9 +26,23 @@ from rlhf_cli.errors import RlhfError
 BACKENDS = REPORT_TO  # logging.report_to
 
 
+_MISSING = object()
+
+
+def _logging(cfg, *path: str, default=None):
+    """`logging.<path>` of the composed config or its typed view (rlhf_cli.settings); `default` where the config
+    does not hold it."""
+    node = cfg.get("logging")
+    for name in path:
+        node = node.get(name, _MISSING) if node is not None else _MISSING
+        if node is _MISSING:
+            return default
+    return node
+
+
 def report_to(cfg) -> list[str]:
     """`logging.report_to` as a list ([tensorboard] when the config has no logging group: an older conf/)."""
-    value = OmegaConf.select(cfg, "logging.report_to", default=["tensorboard"])
+    value = _logging(cfg, "report_to", default=["tensorboard"])
     backends = [value] if isinstance(value, str) else list(value or [])
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -47,7 +61,7 @@ def require_wandb() -> None:
 def run_name(cfg) -> str:
     """`logging.wandb.name`, else `<recipe>-<command>`, and in a multirun the job's directory name
     (`tiny-sft-1_sft.learning_rate=0.0003`), so that the jobs of a sweep tell apart."""
-    name = OmegaConf.select(cfg, "logging.wandb.name")
+    name = _logging(cfg, "wandb", "name")
     if name:
         return str(name)
     name = f"{cfg.recipe}-{cfg.command}"
@@ -66,7 +80,7 @@ def wandb_settings(cfg) -> dict:
     """wandb.init's project, entity, name, group, mode and dir from `logging.wandb` (None: wandb decides, from
     its WANDB_* environment or its defaults). The directory is made absolute and created: wandb falls back to
     a temporary one when it is missing."""
-    w = OmegaConf.select(cfg, "logging.wandb", default=None) or {}
+    w = _logging(cfg, "wandb") or {}
     directory = Path(str(w.get("dir") or cfg.run_dir)).expanduser().resolve()
     directory.mkdir(parents=True, exist_ok=True)
     return {"project": w.get("project") or "rlhf", "entity": w.get("entity"), "name": run_name(cfg),

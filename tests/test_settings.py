@@ -41,3 +41,16 @@ def test_values_are_cast_by_kind_and_frozen():
         == ("q_proj", "v_proj")
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.learning_rate = 2.0
+
+
+def test_the_whole_config_reads_as_the_composed_one(tmp_path, monkeypatch):
+    """`of(cfg)`: every group a view, the top-level keys typed; the trl stages' trainer arguments come out the
+    same from it as from the DictConfig."""
+    from rlhf_cli.settings import of
+    from rlhf_cli.stages._common import trainer_kwargs
+
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    cfg = compose("dpo", ["dpo.learning_rate=1", "seed=3"])
+    run = of(cfg)
+    assert run.dpo == view("dpo", cfg.dpo) and run.seed == 3 and run.command == "dpo"
+    assert trainer_kwargs(run.dpo, run, tmp_path, {}, 10) == trainer_kwargs(cfg.dpo, cfg, tmp_path, {}, 10)

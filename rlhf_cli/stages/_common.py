@@ -27,15 +27,16 @@ log = logging.getLogger("rlhf")
 
 
 # ------------------------------------------------------------------------------------------------ precision
-def training_precision(cfg, adapters: bool = False) -> tuple[torch.dtype, dict]:
-    """(dtype to load the model in, the trainer's mixed-precision flags).
+def training_precision(run, adapters: bool = False) -> tuple[torch.dtype, dict]:
+    """(dtype to load the model in, the trainer's mixed-precision flags) of the run's settings (`run`:
+    rlhf_cli.settings.of, or the composed config).
 
     Trainable weights keep fp32 master weights and optimizer state: bf16 weights trained in bf16 round small
     updates away (one AdamW step at lr 1e-5 moves an element by ~1e-5, below bf16's spacing near 1, so norm
     weights never change). A full fine-tune therefore loads fp32 and runs forward/backward under autocast at
     the compute dtype (`device.mixed_precision`); with adapters (LoRA) only the frozen base is stored in
     `model.dtype`, and peft keeps the adapters in fp32."""
-    storage, compute = resolve_precision(cfg)
+    storage, compute = resolve_precision(run)
     load = storage if adapters else torch.float32
     return load, {"bf16": compute == torch.bfloat16, "fp16": compute == torch.float16}
 
@@ -49,26 +50,27 @@ def qlora_adapters(model) -> None:
     fp32_trainables(model)
 
 
-def trainer_kwargs(stage, cfg, work_dir: Path, precision: dict, n_train: int) -> dict:
-    """TrainingArguments fields shared by SFTConfig and RewardConfig, filled from `cfg.<stage>` + `cfg.device`
-    (device=zero2/zero3: a DeepSpeed config whose "auto" fields the trainer fills; device=fsdp:
-    fsdp_config). The trainer writes its checkpoints (every `save_steps`, the newest `save_total_limit` kept)
-    and TensorBoard events into `work_dir`, the run's `partial_dir`, which outlives an interruption."""
+def trainer_kwargs(stage, run, work_dir: Path, precision: dict, n_train: int) -> dict:
+    """TrainingArguments fields shared by SFTConfig, RewardConfig and DPOConfig, filled from the stage's settings
+    (`stage`: `run.sft`, `run.reward` or `run.dpo`) and the run's (`run`: rlhf_cli.settings.of; device=zero2/zero3:
+    a DeepSpeed config whose "auto" fields the trainer fills; device=fsdp: fsdp_config). The trainer writes its
+    checkpoints (every `save_steps`, the newest `save_total_limit` kept) and TensorBoard events into `work_dir`,
+    the run's `partial_dir`, which outlives an interruption."""
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(work_dir / "tensorboard")
     save_steps, limit = int(stage.save_steps), stage.save_total_limit
-    unsafe = resume_unsafe_reason(cfg.device)
+    unsafe = resume_unsafe_reason(run.device)
     if unsafe and save_steps > 0:
-        log.info("%s: no checkpoints with device.strategy=%s (%s)", cfg.command, cfg.device.strategy, unsafe)
+        log.info("%s: no checkpoints with device.strategy=%s (%s)", run.command, run.device.strategy, unsafe)
         save_steps = 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     steps_per_epoch = math.ceil(n_train / (stage.per_device_train_batch_size * stage.gradient_accumulation_steps
                                            * world))
     log.info("%s: %d rows, %d optimizer steps per epoch (%d per device × %d accumulation × %d process(es))",
-             cfg.command, n_train, steps_per_epoch, stage.per_device_train_batch_size,
+             run.command, n_train, steps_per_epoch, stage.per_device_train_batch_size,
              stage.gradient_accumulation_steps, world)
     return dict(
         output_dir=str(work_dir),
-        use_cpu=cfg.device.accelerator == "cpu",
+        use_cpu=run.device.accelerator == "cpu",
         **precision,
         learning_rate=float(stage.learning_rate),
         num_train_epochs=float(stage.num_train_epochs),
@@ -92,26 +94,26 @@ def trainer_kwargs(stage, cfg, work_dir: Path, precision: dict, n_train: int) ->
         save_steps=max(save_steps, 1),
         save_total_limit=int(limit) if limit is not None else None,
         save_only_model=False,  # optimizer, scheduler and RNG state too: a resumed run ends where a whole one does
-        report_to=trainer_report_to(cfg),  # logging.report_to: TensorBoard, wandb
+        report_to=trainer_report_to(run),  # logging.report_to: TensorBoard, wandb
         max_length=int(stage.max_length),
         activation_checkpointing=bool(stage.activation_checkpointing),
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
-        seed=int(cfg.seed),
-        data_seed=int(cfg.seed),
-        **trainer_strategy_kwargs(cfg.device),
+        seed=int(run.seed),
+        data_seed=int(run.seed),
+        **trainer_strategy_kwargs(run.device),
     )
 
 
-def preference_rows(cfg, tok) -> tuple[list[dict], list[dict]]:
-    """The training and eval pairs of `data.*` as the reward and DPO trainers take them (`data.pair_rows`):
-    rows without a rejected answer refused, ties and prompts over data.max_prompt_length dropped and counted."""
+def preference_rows(data, tok, thinking: bool) -> tuple[list[dict], list[dict]]:
+    """The training and eval pairs of `data` (the run's `data.*` settings) as the reward and DPO trainers take them
+    (`data.pair_rows`): rows without a rejected answer refused, ties and prompts over data.max_prompt_length
+    dropped and counted; `thinking`: model.enable_thinking."""
     from rlhf_cli import data as D
 
-    thinking, templ = bool(cfg.model.enable_thinking), bool(cfg.data.chat_template)
-    max_prompt = int(cfg.data.max_prompt_length)
-    train, evals = D.load_examples(cfg.data, need_rejected=True)
-    train = D.filter_long_prompts(train, tok, max_prompt, str(cfg.data.train_path), thinking, templ)
+    templ, max_prompt = bool(data.chat_template), int(data.max_prompt_length)
+    train, evals = D.load_examples(data, need_rejected=True)
+    train = D.filter_long_prompts(train, tok, max_prompt, str(data.train_path), thinking, templ)
     evals = D.filter_long_prompts(evals, tok, max_prompt, "eval split", thinking, templ)
     return D.pair_rows(train, tok, thinking, templ), D.pair_rows(evals, tok, thinking, templ)
 

@@ -27,7 +27,7 @@ import math
 import time
 from pathlib import Path
 
-from rlhf_cli import gpu_memory
+from rlhf_cli import gpu_memory, settings
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.cards import write_card
@@ -52,9 +52,10 @@ from rlhf_cli.stages._common import (
 log = logging.getLogger("rlhf")
 
 
-def check_settings(cfg) -> Path:
-    """What can be refused before any model or output directory is made; returns the SFT model's directory."""
-    d = cfg.dpo
+def check_settings(run) -> Path:
+    """What can be refused before any model or output directory is made (`run`: rlhf_cli.settings.of, or the
+    composed config); returns the SFT model's directory."""
+    d = run.dpo
     lora = d.lora
     targets = [lora.target_modules] if isinstance(lora.target_modules, str) else list(lora.target_modules)
     if bool(lora.enabled) and "lm_head" in targets:
@@ -78,25 +79,25 @@ def loss_settings(d) -> dict:
             "label_smoothing": float(d.label_smoothing)}
 
 
-def build_trainer(cfg, policy_dir: Path, work: Path):
+def build_trainer(run, policy_dir: Path, work: Path):
     """The stage's DPOTrainer writing its checkpoints and TensorBoard events into `work`, not yet trained, and
-    (training pairs, eval pairs) as trl kept them."""
+    (training pairs, eval pairs) as trl kept them, from the run's settings (`run`: rlhf_cli.settings.of)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    d = cfg.dpo
-    tok = load_tokenizer(policy_dir, cfg.model)
-    max_prompt = int(cfg.data.max_prompt_length)
-    train_rows, eval_rows = preference_rows(cfg, tok)
+    d = run.dpo
+    tok = load_tokenizer(policy_dir, run.model)
+    max_prompt = int(run.data.max_prompt_length)
+    train_rows, eval_rows = preference_rows(run.data, tok, bool(run.model.enable_thinking))
 
     lora = bool(d.lora.enabled)
-    dtype, precision = training_precision(cfg, adapters=lora)
-    quant = quantization_config(cfg) if lora else None  # rlhf_cli.quantization refused a quantized full fine-tune
-    model = load_causal_lm(policy_dir, dtype, cfg.model, quant)
+    dtype, precision = training_precision(run, adapters=lora)
+    quant = quantization_config(run) if lora else None  # rlhf_cli.quantization refused a quantized full fine-tune
+    model = load_causal_lm(policy_dir, dtype, run.model, quant)
     reference = None
     if not lora:  # trl would load the reference itself, in the policy's fp32; a frozen copy needs only model.dtype
-        reference = load_causal_lm(policy_dir, resolve_precision(cfg)[0], cfg.model).eval().requires_grad_(False)
-    args = DPOConfig(**trainer_kwargs(d, cfg, work, precision, len(train_rows)), **loss_settings(d),
+        reference = load_causal_lm(policy_dir, resolve_precision(run)[0], run.model).eval().requires_grad_(False)
+    args = DPOConfig(**trainer_kwargs(d, run, work, precision, len(train_rows)), **loss_settings(d),
                      disable_dropout=True, dataset_num_proc=None)
     trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None, processing_class=tok,
@@ -110,14 +111,15 @@ def build_trainer(cfg, policy_dir: Path, work: Path):
     return trainer, len(trainer.train_dataset), len(trainer.eval_dataset) if eval_rows else 0
 
 
-def save_policy(trainer, out: Path, cfg) -> None:
+def save_policy(trainer, out: Path, device) -> None:
     """The adapter, its base recorded relative to the run (as PPO's: a moved run still loads), or the full model;
-    and the tokenizer. Every process calls this (sharded weights are gathered collectively)."""
+    and the tokenizer (`device`: the run's device settings). Every process calls this (sharded weights are
+    gathered collectively)."""
     model, tok = trainer.model, trainer.processing_class
     if not hasattr(model, "peft_config"):
-        save_trained(trainer, model, tok, out, cfg.device)
+        save_trained(trainer, model, tok, out, device)
         return
-    if is_sharded(cfg.device):
+    if is_sharded(device):
         trainer.save_model(str(out))  # gathers the adapter; peft records the base by its absolute path
     elif trainer.is_world_process_zero():
         from rlhf_cli.ppo.checkpoint import save_model
@@ -128,13 +130,14 @@ def save_policy(trainer, out: Path, cfg) -> None:
 
 
 def run(cfg) -> None:
-    d = cfg.dpo
-    policy_dir = check_settings(cfg)
+    typed = settings.of(cfg)  # what the stage reads; the composed config itself is only recorded (resume, card)
+    d = typed.dpo
+    policy_dir = check_settings(typed)
     setup_torch(cfg)
-    lr = float(d.learning_rate)
-    inputs = [d.policy_dir, cfg.model.name_or_path, cfg.model.tiny.dir]  # never replaced by the output
+    lr = d.learning_rate
+    inputs = [d.policy_dir, typed.model.name_or_path, typed.model.tiny.dir]  # never replaced by the output
     with atomic_dir(d.output_dir, "dpo", inputs) as out, Checkpoints.start(cfg, "dpo") as ckpt:
-        trainer, n_train, n_eval = build_trainer(cfg, policy_dir, ckpt.work)
+        trainer, n_train, n_eval = build_trainer(typed, policy_dir, ckpt.work)
         with training_console(trainer, "dpo", lr):
             t0 = time.perf_counter()
             result = ckpt.train(trainer)
@@ -143,15 +146,15 @@ def run(cfg) -> None:
         step = result.global_step
         require_finite("dpo", ev, "metric", lr, step)
         require_finite_weights(trainer.model, "dpo", lr, step)
-        save_policy(trainer, out, cfg)
+        save_policy(trainer, out, typed.device)
         if trainer.is_world_process_zero():
             # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_accuracy": ev.get("eval_rewards/accuracies"),
                        "eval_margin": ev.get("eval_rewards/margins"), "eval_loss": ev.get("eval_loss"),
                        "train_loss": result.training_loss, "steps": step,
                        "train_pairs": n_train, "eval_pairs": n_eval, "train_seconds": round(seconds, 2),
-                       "policy_dir": str(policy_dir), "lora": bool(d.lora.enabled), "loss_type": str(d.loss_type),
-                       "beta": float(d.beta), "rpo_alpha": d.rpo_alpha, "resumed_from": ckpt.resumed_step,
+                       "policy_dir": str(policy_dir), "lora": d.lora.enabled, "loss_type": d.loss_type,
+                       "beta": d.beta, "rpo_alpha": d.rpo_alpha, "resumed_from": ckpt.resumed_step,
                        **gpu_memory.run_peaks(trainer)}  # GPU peaks (none off CUDA)
             write_json(out / "metrics.json", metrics)
             write_card(out, cfg, "dpo")

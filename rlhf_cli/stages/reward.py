@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import devices, gpu_memory, quantization
+from rlhf_cli import devices, gpu_memory, quantization, settings
 from rlhf_cli.config import require_dir
 from rlhf_cli.cards import write_card
 from rlhf_cli.io import atomic_dir, write_json
@@ -59,28 +59,29 @@ def score_texts(model, tok, texts: list[str], batch_size: int = 64, compute: tor
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def build_trainer(cfg, work: Path):
+def build_trainer(run, work: Path):
     """The stage's RewardTrainer writing its checkpoints and TensorBoard events into `work`, not yet trained,
-    and (init model dir, train pairs, eval pairs). Every weight is trained, so it loads in fp32 and computes
-    under autocast (`training_precision`)."""
+    and (init model dir, train pairs, eval pairs), from the run's settings (`run`: rlhf_cli.settings.of, or the
+    composed config). Every weight is trained, so it loads in fp32 and computes under autocast
+    (`training_precision`)."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    r = cfg.reward
+    r = run.reward
     if str(r.init_from) == "base":
-        init = base_model_dir(cfg)
+        init = base_model_dir(run)
     else:
         init = require_dir(r.init_from, "SFT model (reward.init_from)", "rlhf sft", marker="config.json")
-    tok = load_tokenizer(init, cfg.model)
-    max_prompt = int(cfg.data.max_prompt_length)
-    train_rows, eval_rows = preference_rows(cfg, tok)
+    tok = load_tokenizer(init, run.model)
+    max_prompt = int(run.data.max_prompt_length)
+    train_rows, eval_rows = preference_rows(run.data, tok, bool(run.model.enable_thinking))
 
-    dtype, precision = training_precision(cfg)
-    if quantization.mode(cfg.model):
+    dtype, precision = training_precision(run)
+    if quantization.mode(run.model):
         log.info("reward: every weight trains, in fp32: model.quantization=%s applies where the reward model is "
-                 "frozen (rlhf ppo, rlhf eval)", cfg.model.quantization)
-    model = load_seq_cls(init, tok, dtype, cfg.model)
-    args = RewardConfig(**trainer_kwargs(r, cfg, work, precision, len(train_rows)),
+                 "frozen (rlhf ppo, rlhf eval)", run.model.quantization)
+    model = load_seq_cls(init, tok, dtype, run.model)
+    args = RewardConfig(**trainer_kwargs(r, run, work, precision, len(train_rows)),
                         center_rewards_coefficient=r.center_rewards_coefficient, disable_dropout=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                             eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
@@ -93,11 +94,12 @@ def build_trainer(cfg, work: Path):
 
 def run(cfg) -> None:
     setup_torch(cfg)
-    r = cfg.reward
-    lr = float(r.learning_rate)
-    inputs = [r.init_from, cfg.model.name_or_path, cfg.model.tiny.dir]  # never replaced by the output
+    typed = settings.of(cfg)  # what the stage reads; the composed config itself is only recorded (resume, card)
+    r = typed.reward
+    lr = r.learning_rate
+    inputs = [r.init_from, typed.model.name_or_path, typed.model.tiny.dir]  # never replaced by the output
     with atomic_dir(r.output_dir, "reward", inputs) as out, Checkpoints.start(cfg, "reward") as ckpt:
-        trainer, init, train_rows, n_eval = build_trainer(cfg, ckpt.work)
+        trainer, init, train_rows, n_eval = build_trainer(typed, ckpt.work)
         tok = trainer.processing_class
         with training_console(trainer, "reward", lr):
             t0 = time.perf_counter()
@@ -112,10 +114,10 @@ def run(cfg) -> None:
         # scores the same texts: with sharded weights (ZeRO-3, FSDP) each forward pass is a collective.
         sample = train_rows[:1024]
         texts = [row["prompt"] + ans + tok.eos_token for row in sample for ans in (row["chosen"], row["rejected"])]
-        scores = score_texts(model, tok, texts, int(r.per_device_eval_batch_size), resolve_precision(cfg)[1])
+        scores = score_texts(model, tok, texts, r.per_device_eval_batch_size, resolve_precision(typed)[1])
         stats = {"mean": scores.mean().item(), "std": max(scores.std().item(), 1e-6), "n": len(texts)}
         require_finite("reward", stats, "score", lr, step)
-        save_trained(trainer, model, tok, out, cfg.device)
+        save_trained(trainer, model, tok, out, typed.device)
         if trainer.is_world_process_zero():
             write_json(out / "score_stats.json", stats)
             # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_cli import data as D
-from rlhf_cli import gpu_memory, quantization
+from rlhf_cli import gpu_memory, quantization, settings
 from rlhf_cli.cards import write_card
 from rlhf_cli.hardware import setup_torch
 from rlhf_cli.io import atomic_dir, write_json
@@ -64,9 +64,10 @@ def sft_rows(examples: list[D.Example], on_rejected: bool, enable_thinking: bool
     return rows
 
 
-def build_trainer(cfg, work: Path):
+def build_trainer(run, work: Path):
     """The stage's SFTTrainer writing its checkpoints and TensorBoard events into `work`, not yet trained, and
-    (base model dir, train rows, eval rows).
+    (base model dir, train rows, eval rows), from the run's settings (`run`: rlhf_cli.settings.of, or the
+    composed config).
 
     Weights: a full fine-tune trains fp32 weights under autocast; with LoRA the frozen base is stored in
     `model.dtype` (its decoder layers quantized with `model.quantization`: QLoRA) and the adapters in fp32
@@ -74,24 +75,24 @@ def build_trainer(cfg, work: Path):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    s = cfg.sft
-    base = base_model_dir(cfg)
-    tok = load_tokenizer(base, cfg.model)
-    thinking = bool(cfg.model.enable_thinking)
-    templ = bool(cfg.data.chat_template)
-    max_prompt = int(cfg.data.max_prompt_length)
-    train, evals = D.load_examples(cfg.data, need_rejected=bool(cfg.data.sft_on_rejected))
-    train = D.filter_long_prompts(train, tok, max_prompt, str(cfg.data.train_path), thinking, templ)
+    s, data = run.sft, run.data
+    base = base_model_dir(run)
+    tok = load_tokenizer(base, run.model)
+    thinking = bool(run.model.enable_thinking)
+    templ, on_rejected = bool(data.chat_template), bool(data.sft_on_rejected)
+    max_prompt = int(data.max_prompt_length)
+    train, evals = D.load_examples(data, need_rejected=on_rejected)
+    train = D.filter_long_prompts(train, tok, max_prompt, str(data.train_path), thinking, templ)
     evals = D.filter_long_prompts(evals, tok, max_prompt, "eval split", thinking, templ)
-    train_rows = sft_rows(train, bool(cfg.data.sft_on_rejected), thinking, tok, templ)
-    eval_rows = sft_rows(evals, bool(cfg.data.sft_on_rejected), thinking, tok, templ)
+    train_rows = sft_rows(train, on_rejected, thinking, tok, templ)
+    eval_rows = sft_rows(evals, on_rejected, thinking, tok, templ)
 
     lora = bool(s.lora.enabled)
-    dtype, precision = training_precision(cfg, adapters=lora)
-    quant = quantization_config(cfg) if lora else None  # rlhf_cli.quantization refused a quantized full fine-tune
-    model = load_causal_lm(base, dtype, cfg.model, quant)
-    kw = trainer_kwargs(s, cfg, work, precision, len(train_rows))
-    kw["num_train_epochs"] = sft_floor(cfg, steps_per_epoch(len(train_rows), kw)) or kw["num_train_epochs"]
+    dtype, precision = training_precision(run, adapters=lora)
+    quant = quantization_config(run) if lora else None  # rlhf_cli.quantization refused a quantized full fine-tune
+    model = load_causal_lm(base, dtype, run.model, quant)
+    kw = trainer_kwargs(s, run, work, precision, len(train_rows))
+    kw["num_train_epochs"] = sft_floor(run, steps_per_epoch(len(train_rows), kw)) or kw["num_train_epochs"]
     args = SFTConfig(**kw, completion_only_loss=True, packing=False, dataset_num_proc=None)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
@@ -106,11 +107,12 @@ def build_trainer(cfg, work: Path):
 
 def run(cfg) -> None:
     setup_torch(cfg)
-    s = cfg.sft
-    lr = float(s.learning_rate)
-    with (atomic_dir(s.output_dir, "sft", [cfg.model.name_or_path, cfg.model.tiny.dir]) as out,
+    typed = settings.of(cfg)  # what the stage reads; the composed config itself is only recorded (resume, card)
+    s = typed.sft
+    lr = s.learning_rate
+    with (atomic_dir(s.output_dir, "sft", [typed.model.name_or_path, typed.model.tiny.dir]) as out,
           Checkpoints.start(cfg, "sft") as ckpt):
-        trainer, base, n_train, n_eval = build_trainer(cfg, ckpt.work)
+        trainer, base, n_train, n_eval = build_trainer(typed, ckpt.work)
         tok = trainer.processing_class
         with training_console(trainer, "sft", lr):
             start = ckpt.remembered("eval_loss_start")  # a resumed run measured it before its first step
@@ -123,17 +125,17 @@ def run(cfg) -> None:
             end = final_eval(trainer)["eval_loss"] if n_eval else None
         model = trainer.model
         require_finite_weights(model, "sft", lr, result.global_step)
-        if bool(s.lora.enabled) and quantization.mode(cfg.model):
+        if s.lora.enabled and quantization.mode(typed.model):
             # QLoRA: merged into the base loaded unquantized in fp32 (rlhf_cli.models.merge_unquantized)
-            model = merge_unquantized(model, base, torch.float32, cfg.model)
-        elif bool(s.lora.enabled):
+            model = merge_unquantized(model, base, torch.float32, typed.model)
+        elif s.lora.enabled:
             # merged in fp32: a bf16 base would round the adapter's small changes away
             model = merge_lora(model.to(torch.float32))
-        save_trained(trainer, model, tok, out, cfg.device)
+        save_trained(trainer, model, tok, out, typed.device)
         answers = {}
         if trainer.is_world_process_zero():
             if trainer.args.world_size == 1:  # sharded weights would need every process to sample
-                answers = answer_check(model, tok, cfg)  # did it learn? (rlhf_cli.learned.sft_warning)
+                answers = answer_check(model, tok, typed)  # did it learn? (rlhf_cli.learned.sft_warning)
             # train_loss and train_seconds cover the steps of this call (those after `resumed_from`)
             metrics = {"eval_loss_start": start, "eval_loss_end": end, "train_loss": result.training_loss,
                        "steps": result.global_step, "train_rows": n_train, "eval_rows": n_eval,
