@@ -27,7 +27,9 @@ from test_dist import LONG_TEST, SAFETY_S, _gone, _tagged, _workers, one_process
 
 FSDP = ["device=cpu-fsdp", "device.threads=1"]
 DDP = ["device=cpu-ddp", "device.num_processes=2", "device.threads=1", "device.fast_paths=off"]
-PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.eval_every=0", "ppo.save_every=1"]
+# 256 prompts (each process reads and renders all of them): enough for the 192 episodes of the longest run
+ROWS = "data.max_rows=256"
+PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.eval_every=0", "ppo.save_every=1", ROWS]
 UPDATES = 2
 RTOL, ATOL = 1e-5, 1e-6
 UNTIMED = ("time/", "eps")  # wall-clock figures differ between any two runs
@@ -55,11 +57,12 @@ def differences(a: dict, b: dict) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """SFT and reward on one process (a few steps), then the same PPO run on fsdp and on ddp."""
+    """SFT and reward on one process (a few steps on a few hundred rows: what the PPO runs start from, not what
+    they test), then the same PPO run on fsdp and on ddp."""
     root = tmp_path_factory.mktemp("fsdp")
     run = root / "runs" / "tiny"
-    for args in (["sft", "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5"],
-                 ["reward", "reward.max_steps=10", "reward.eval_steps=5"]):
+    for args in (["sft", "sft.max_steps=10", "sft.eval_steps=100", "sft.logging_steps=5", ROWS],
+                 ["reward", "reward.max_steps=10", "reward.eval_steps=100", ROWS]):
         rc, _, err = one_process(root, *args, "device.threads=1")
         assert rc == 0, err[-3000:]
     rc, out, err = rlhf(root, "ppo", *FSDP, *PPO, f"ppo.output_dir={run / 'ppo-fsdp'}")
@@ -157,7 +160,7 @@ def test_killing_one_sharded_process_ends_the_run_and_resume_continues(runs):
     root, run = runs
     out, log = run / "killed", run / "killed.log"
     args = ["ppo", *FSDP, "ppo.total_episodes=192", "ppo.num_mini_batches=1", "ppo.eval_every=0", "ppo.save_every=1",
-            f"ppo.output_dir={out}"]
+            ROWS, f"ppo.output_dir={out}"]
     with log.open("w") as f, rlhf_process(root, *args, stdout=f, stderr=subprocess.STDOUT) as p:
         parent, deadline = psutil.Process(p.pid), time.monotonic() + SAFETY_S
         first = run / ".killed.partial" / "checkpoints" / "checkpoint-1"
