@@ -445,32 +445,36 @@ def test_doctor_qwen_recipe_offline(run_cli):
 @pytest.mark.slow
 def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     """Peak growth of the anonymous resident memory of `rlhf sft`, `rlhf reward` and `rlhf ppo` (tiny recipe, each
-    in a fresh process, after its imports) against each stage's plan, with the lengths the doctor reads from the
-    data. The same run reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on timing), so
-    each stage runs twice and its peak is the higher one. PPO runs with device.fast_paths=off: the doctor plans the
-    stock forward (what GPUs run); the CPU speed paths pick kernels by what the CPU has, and their memory differs by
-    CPU (tiny PPO on two AMD EPYC generations: 99 and 170 MiB), which the benchmarks measure."""
+    run in a process of its own, after its imports) against each stage's plan, with the lengths the doctor reads
+    from the data. The same run reaches peaks up to ~20% apart (glibc keeps or returns freed blocks depending on
+    timing), so each stage runs twice and its peak is the higher one. PPO runs with device.fast_paths=off: the
+    doctor plans the stock forward (what GPUs run); the CPU speed paths pick kernels by what the CPU has, and their
+    memory differs by CPU (tiny PPO on two AMD EPYC generations: 99 and 170 MiB), which the benchmarks measure.
+    Each run's process is forked from one probe process that has done the imports once (the probe's --fork): it
+    starts where a new process stands after them, and the 8 runs skip 7 interpreters' imports."""
     from rlhf_cli.stages.doctor import data_lengths
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MALLOC_MMAP_THRESHOLD_"):
         env.pop(k, None)
     common = [f"run_dir={tmp_path / 'run'}", "device.threads=1"]
+    stages = (("sft", ["sft.max_steps=5", "sft.eval_steps=100"]),
+              ("reward", ["reward.max_steps=5", "reward.eval_steps=100"]),
+              ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0", "device.fast_paths=off"]),
+              ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16", "device.fast_paths=off"]))
+    runs = [[stage.split("+")[0], *common, *ov] for stage, ov in stages for _ in range(2)]
+    (tmp_path / "runs.json").write_text(json.dumps(runs), encoding="utf-8")
+    p = subprocess.run([sys.executable, str(PROBE), "--fork", str(tmp_path / "runs.json")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    results = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith('{"command": ')]
+    assert [r["command"] for r in results] == [run[0] for run in runs], p.stdout[-2000:]
     report = []
-    for stage, ov in (("sft", ["sft.max_steps=5", "sft.eval_steps=100"]),
-                      ("reward", ["reward.max_steps=5", "reward.eval_steps=100"]),
-                      ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0", "device.fast_paths=off"]),
-                      ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16", "device.fast_paths=off"])):
-        peaks = []
-        for _ in range(2):
-            command = stage.split("+")[0]
-            p = subprocess.run([sys.executable, str(PROBE), command, *common, *ov], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=600, check=False)
-            assert p.returncode == 0, p.stderr[-2000:]
-            # anonymous memory: library file pages resident or not depend on the page cache (a fresh clone's
-            # environment maps more of each .so), not on the run
-            peaks.append(json.loads(p.stdout.strip().splitlines()[-1])["anon_growth_mib"] * M.MiB)
-        measured = max(peaks)
+    for i, (stage, ov) in enumerate(stages):
+        command = stage.split("+")[0]
+        # anonymous memory: library file pages resident or not depend on the page cache (a fresh clone's
+        # environment maps more of each .so), not on the run
+        measured = max(r["anon_growth_mib"] for r in results[2 * i:2 * i + 2]) * M.MiB
         cfg = compose(command, [*common, *ov])
         s = M.setup_from(cfg, 0, data_lengths(cfg))
         plan = M.plan_stage(cfg, command, M.arch_for_model(cfg.model)[0], s)

@@ -2,11 +2,17 @@
 tests/test_doctor.py::test_tiny_plans_within_20_percent_of_measured_rss; the calibration note in rlhf_cli/memory.py).
 
     python bench/probes/rss_probe.py ppo run_dir=... ppo.total_episodes=64   -> one JSON line on stdout
+    python bench/probes/rss_probe.py --fork RUNS.json   -> one JSON line per run, in order
 
 The baseline is taken after importing what the stage imports (torch, transformers with the Qwen3 model code,
 peft, accelerate, trl for sft/reward, TensorBoard), so the growth counts what the run allocates: models,
 optimizer, activations, generation buffers, plus the allocator's and the libraries' runtime overhead.
 A thread samples the resident set size every 2 ms; `ru_maxrss` (the kernel's high-water mark) checks it.
+
+`--fork RUNS.json` (a list of [command, override, ...]): the runs one after another, each in a process forked
+from one that has imported what every stage imports (the stage's own imports, trl for sft/reward, follow in the
+fork): each starts where a new process of the single-run form stands after its imports, without paying for
+them again. A failed run ends the whole with its exit code.
 """
 
 from __future__ import annotations
@@ -32,18 +38,54 @@ def anon_rss() -> int:
     return 0
 
 
-def main(argv: list[str]) -> None:
-    import psutil
-
-    command, overrides = argv[0], argv[1:]
+def common_imports() -> None:
+    """What every stage imports, before its baseline."""
     import accelerate  # noqa: F401
     import peft  # noqa: F401
-    import torch
+    import psutil  # noqa: F401
+    import torch  # noqa: F401
     import torch.utils.tensorboard  # noqa: F401
     import transformers  # noqa: F401
     from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
     import rlhf_cli.stages  # noqa: F401
+    from rlhf_cli.config import compose  # noqa: F401
+
+
+def forked(runs: list[list[str]]) -> int:
+    """Each run in a fork of this process (see the module's docstring); the first failure's exit code, else 0."""
+    common_imports()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for run in runs:
+        pid = os.fork()
+        if pid == 0:  # the child: one run, then out without the parent's exit handlers
+            code = 0
+            try:
+                main(run)
+            except BaseException:  # noqa: BLE001 - reported like an uncaught exception, then the exit code
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            return code if code > 0 else 128 - code
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    import psutil
+
+    command, overrides = argv[0], argv[1:]
+    common_imports()
+    import torch
+
     from rlhf_cli.config import compose
 
     if command in ("sft", "reward"):
@@ -79,4 +121,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fork"]:
+        with open(sys.argv[2], encoding="utf-8") as f:
+            sys.exit(forked(json.load(f)))
     main(sys.argv[1:])
