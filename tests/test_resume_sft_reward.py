@@ -16,9 +16,10 @@ import pytest
 from clitools import RLHF, cli_env, rlhf
 
 STEPS, EVERY = 20, 5
-# 20 steps, a checkpoint every 5, evaluations only at the start and at the end
+# 20 steps, a checkpoint every 5, evaluations only at the start and at the end; 400 training rows, one epoch of
+# batches of 16 (every run tokenizes all its rows: the whole demo file would be 3,000)
 SMALL = ["device.threads=1", f"sft.max_steps={STEPS}", f"sft.save_steps={EVERY}", f"sft.eval_steps={STEPS}",
-         f"reward.max_steps={STEPS}", f"reward.save_steps={EVERY}", f"reward.eval_steps={STEPS}"]
+         f"reward.max_steps={STEPS}", f"reward.save_steps={EVERY}", f"reward.eval_steps={STEPS}", "data.max_rows=400"]
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
