@@ -134,10 +134,12 @@ SMALL_PPO = ["device.threads=1", "ppo.total_episodes=64", "ppo.num_mini_batches=
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """A working directory with runs/tiny/sft and runs/tiny/reward, trained for two steps each."""
+    """A working directory with runs/tiny/sft and runs/tiny/reward, trained for two steps each (on 64 rows: two
+    batches of 16 need no more)."""
     cwd = tmp_path_factory.mktemp("own")
     for stage in ("sft", "reward"):
-        proc = rlhf(cwd, stage, "device.threads=1", f"{stage}.max_steps=2", f"{stage}.eval_steps=2")
+        proc = rlhf(cwd, stage, "device.threads=1", f"{stage}.max_steps=2", f"{stage}.eval_steps=2",
+                    "data.max_rows=64")
         assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd
 

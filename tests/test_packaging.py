@@ -126,7 +126,7 @@ def test_installed_wheel_runs_from_an_empty_directory(wheel, tmp_path):
     lines = {ln.split()[0]: ln for ln in p.stdout.splitlines()
              if ln.strip() and not ln.startswith((" ", "searched", "`"))}  # a row, not its wrapped summary
     assert "shipped" in lines["tiny"] and "recipes/my-tiny.yaml" in lines["my-tiny"]
-    p = run("sft", "sft.max_steps=2", "device.threads=1")
+    p = run("sft", "sft.max_steps=2", "device.threads=1", "data.max_rows=64")  # the shipped data, 64 rows of it
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = json.loads((work / "runs" / "tiny" / "sft" / "metrics.json").read_text())
     assert metrics["steps"] == 2
@@ -178,12 +178,13 @@ def test_help_and_recipe_listing_import_no_torch():
 # ------------------------------------------------------------------------------------------------ multirun
 @pytest.mark.slow
 def test_multirun_jobs_get_their_own_directories_and_a_summary(run_cli, tmp_path):
-    rc, out, err = run_cli("sft", "-m", "sft.max_steps=2,3", "device.threads=1", timeout=900)
+    rc, out, err = run_cli("sft", "-m", "sft.max_steps=2,3", "device.threads=1", "data.max_rows=64",
+                           timeout=900)
     assert rc == 0, err[-3000:]
     assert not (tmp_path / "runs" / "tiny" / "sft").exists()  # the run's own sft/ is left alone
     (sweep,) = (tmp_path / "runs" / "tiny" / "multirun" / "sft").iterdir()
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-    assert jobs == ["0_sft.max_steps=2", "1_sft.max_steps=3"]  # the swept value names it, not device.threads
+    assert jobs == ["0_sft.max_steps=2", "1_sft.max_steps=3"]  # the swept value names it, not the fixed keys
     for job, steps in zip(jobs, (2, 3)):
         assert json.loads((sweep / job / "sft" / "metrics.json").read_text())["steps"] == steps
         assert (sweep / job / ".hydra" / "overrides.yaml").is_file()
@@ -301,7 +302,7 @@ def test_ppo_writer_logs_tensorboard_and_wandb_offline(wandb_offline):
 
 @pytest.mark.slow
 def test_sft_logs_to_wandb_offline_beside_tensorboard(run_cli, wandb_offline):
-    rc, _, err = run_cli("sft", "sft.max_steps=1", "device.threads=1",
+    rc, _, err = run_cli("sft", "sft.max_steps=1", "device.threads=1", "data.max_rows=64",
                          "logging.report_to=[tensorboard,wandb]", timeout=900)
     assert rc == 0, err[-3000:]
     assert list((wandb_offline / "runs" / "tiny" / "sft" / "tensorboard").rglob("events.out.tfevents.*"))
