@@ -17,6 +17,7 @@ from rlhf_cli.identity import identity
 pytestmark = pytest.mark.slow
 RUN = Path("runs") / "tiny-rule"
 PPO = ["recipe=tiny-rule", "device.threads=1", "ppo.total_episodes=64", "ppo.num_mini_batches=1", "ppo.eval_every=0"]
+ROWS = "data.max_rows=64"  # the SFT runs' few steps of 16 (every run tokenizes all its rows)
 
 
 def ok(proc):
@@ -27,11 +28,11 @@ def ok(proc):
 def retrained(tmp_path_factory):
     """A run whose PPO adapter was trained on an SFT model that was then retrained: (cwd, identity then, now)."""
     cwd = tmp_path_factory.mktemp("adapter")
-    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2"))
+    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2", ROWS))
     ok(rlhf(cwd, "ppo", *PPO))
     then = identity(cwd / RUN / "sft")
     assert json.loads((cwd / RUN / "ppo" / "adapter_base.json").read_text())["identity"] == then
-    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3"))
+    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3", ROWS))
     now = identity(cwd / RUN / "sft")
     assert now != then
     return cwd, then, now
