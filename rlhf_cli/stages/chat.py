@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_cli import devices
+from rlhf_cli import devices, settings
 from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
@@ -22,15 +22,16 @@ RESET = "/reset"
 QUIT = ("exit", "quit", "/exit", "/quit")
 
 
-def newest_policy(cfg) -> Path:
-    """`chat.model_dir`, or when unset the PPO output if it exists (it is trained from the SFT model), else the
-    DPO output (trained from it too), else the SFT output."""
-    if cfg.chat.model_dir is not None:
-        return require_dir(cfg.chat.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
+def newest_policy(run) -> Path:
+    """`chat.model_dir` of the run's settings (`run`: rlhf_cli.settings.of, or the composed config), or when unset
+    the PPO output if it exists (it is trained from the SFT model), else the DPO output (trained from it too), else
+    the SFT output."""
+    if run.chat.model_dir is not None:
+        return require_dir(run.chat.model_dir, "model to chat with (chat.model_dir)", "rlhf sft")
     for name in POLICIES:  # the stage table's order: ppo, dpo, sft
-        if Path(cfg[name].output_dir).is_dir():
-            return Path(cfg[name].output_dir)
-    return require_dir(cfg.sft.output_dir, "model to chat with (the SFT output; chat.model_dir)", "rlhf sft")
+        if Path(getattr(run, name).output_dir).is_dir():
+            return Path(getattr(run, name).output_dir)
+    return require_dir(run.sft.output_dir, "model to chat with (the SFT output; chat.model_dir)", "rlhf sft")
 
 
 def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -> str:
@@ -66,15 +67,16 @@ def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -
 
 def run(cfg) -> None:
     setup_torch(cfg)
-    c = cfg.chat
-    path = newest_policy(cfg)
-    device = devices.of_accelerator(cfg.device.accelerator)
+    typed = settings.of(cfg)
+    c = typed.chat
+    path = newest_policy(typed)
+    device = devices.of_accelerator(typed.device.accelerator)
     start = time.perf_counter()
-    model = load_policy(path, resolve_precision(cfg)[0], cfg.model, base_dir=cfg.ppo.policy_dir, merge=True)
-    model, tok = model.to(device).eval(), load_tokenizer(path, cfg.model)
+    model = load_policy(path, resolve_precision(typed)[0], typed.model, base_dir=typed.ppo.policy_dir, merge=True)
+    model, tok = model.to(device).eval(), load_tokenizer(path, typed.model)
     print(f"loaded {path} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
-    thinking = bool(cfg.model.enable_thinking)
+    thinking = bool(typed.model.enable_thinking)
     if c.prompt is not None:
         print(answer(model, tok, [*system, {"role": "user", "content": str(c.prompt)}], c, thinking))
         return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from rlhf_cli import quantization
+from rlhf_cli import quantization, settings
 from rlhf_cli.cards import write_card
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
@@ -22,22 +22,24 @@ log = logging.getLogger("rlhf")
 
 
 def run(cfg) -> None:
+    """The composed config `cfg` is only recorded (the model card); what the stage reads is its typed settings."""
     setup_torch(cfg)
-    ppo_dir = require_dir(cfg.ppo.output_dir, "PPO output (ppo.output_dir)", "rlhf ppo")
+    typed = settings.of(cfg)
+    ppo_dir = require_dir(typed.ppo.output_dir, "PPO output (ppo.output_dir)", "rlhf ppo")
     if not (ppo_dir / "adapter_config.json").exists():
         raise RlhfError(f"{ppo_dir} holds no LoRA adapter (adapter_config.json); a full fine-tune is already a "
                         "complete model")
-    base_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
-    target = Path(cfg.export.output_dir or ppo_dir / "merged")
+    base_dir = require_dir(typed.ppo.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
+    target = Path(typed.export.output_dir or ppo_dir / "merged")
     check_output_dir(target, "export", [ppo_dir, base_dir])  # before the model loads (atomic_dir checks again)
-    storage = resolve_precision(cfg)[0]
-    model = load_policy(ppo_dir, storage, cfg.model, base_dir=base_dir, merge=True)
-    tok = load_tokenizer(ppo_dir, cfg.model)
+    storage = resolve_precision(typed)[0]
+    model = load_policy(ppo_dir, storage, typed.model, base_dir=base_dir, merge=True)
+    tok = load_tokenizer(ppo_dir, typed.model)
     with atomic_dir(target, "export", [ppo_dir, base_dir]) as out:
         model.save_pretrained(str(out))
         tok.save_pretrained(str(out))
         write_card(out, cfg, "export", after=ppo_dir)
-    dtype, q = str(storage).removeprefix("torch."), quantization.mode(cfg.model)
+    dtype, q = str(storage).removeprefix("torch."), quantization.mode(typed.model)
     how = f" (the {q} base of training loaded unquantized in {dtype})" if q else f" ({dtype})"
     log.info("export: wrote the merged policy to %s", target)
     print(f"merged model: {target}{how}")

@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from rlhf_cli import settings
 from rlhf_cli.cards import CARD, NOT_PUBLISHED
 from rlhf_cli.choices import PUSH_HUBS
 from rlhf_cli.errors import RlhfError
@@ -92,7 +93,8 @@ def upload(hub: str, repo_id: str, directory: Path, files: list[str], private: b
 
 
 def run(cfg) -> None:
-    p = cfg.push
+    typed = settings.of(cfg)  # what the stage reads
+    p = typed.push
     d = check_directory(p.dir)
     if not p.repo_id or str(p.repo_id).count("/") != 1:
         raise RlhfError(f"push.repo_id={p.repo_id} is not a repository id; give OWNER/NAME, e.g. "
@@ -104,7 +106,7 @@ def run(cfg) -> None:
         for f in files:
             print(f"  {f}  {(d / f).stat().st_size} bytes")
         return
-    token = token_for(str(p.hub), p.token, bool(cfg.model.offline))
+    token = token_for(str(p.hub), p.token, bool(typed.model.offline))
     upload(str(p.hub), str(p.repo_id), d, files, bool(p.private), token, str(p.commit_message))
     log.info("push: %d files of %s uploaded to %s", len(files), d, where)
     print(f"uploaded {len(files)} files to {where}")
