@@ -43,13 +43,19 @@ def cast(rule: Rule, v):
 
 
 class Settings:
-    """What every view has beside its fields: `get` as a DictConfig node has it, so that a function reading a
-    group by attribute and `.get` takes either."""
+    """What every view has beside its fields: `get` and `[name]` as a DictConfig node has them, so that a function
+    reading a group by attribute, `.get` or `[name]` takes either."""
 
     __slots__ = ()
 
     def get(self, name: str, default=None):
         return getattr(self, name, default)
+
+    def __getitem__(self, name: str):
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
 
 
 def _key(group: str, name: str) -> str:

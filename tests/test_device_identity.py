@@ -161,7 +161,7 @@ def test_trainer_and_stages_resolve_the_device_once():
     trainer = (pkg / "ppo" / "trainer.py").read_text()
     assert "self.device = devices.resolve(accelerator.device)" in trainer
     assert "devices.same(t.device, self.device)" in trainer
-    assert "build_ppo_models(cfg, tok, devices.resolve(acc.device)" in (pkg / "stages" / "ppo.py").read_text()
+    assert "build_ppo_models(typed, tok, devices.resolve(acc.device)" in (pkg / "stages" / "ppo.py").read_text()
     # nothing else compares device indexes by hand
     offenders = [p.name for p in pkg.rglob("*.py") if p.name != "devices.py" and ".index !=" in p.read_text()]
     assert offenders == []

@@ -54,3 +54,28 @@ def test_the_whole_config_reads_as_the_composed_one(tmp_path, monkeypatch):
     run = of(cfg)
     assert run.dpo == view("dpo", cfg.dpo) and run.seed == 3 and run.command == "dpo"
     assert trainer_kwargs(run.dpo, run, tmp_path, {}, 10) == trainer_kwargs(cfg.dpo, cfg, tmp_path, {}, 10)
+
+
+@pytest.mark.parametrize("resume", ["false", "true", "force"])
+def test_the_ppo_side_reads_the_same_from_the_typed_config(resume):
+    """The PPO stage's helpers (its PPOConfig, batch sizes, sampling settings) come out the same from the typed view
+    as from the DictConfig; a view reads `[name]` as the DictConfig does, and ppo.resume is lower-case text."""
+    from types import SimpleNamespace
+
+    from rlhf_cli.config import ppo_sizes
+    from rlhf_cli.ppo.config import PPOConfig
+    from rlhf_cli.settings import of
+    from rlhf_cli.stages import _sampling
+
+    cfg = compose("ppo", [f"ppo.resume={resume}", "ppo.stop_token_ids=[5]", "ppo.reward_timeout_s=30"])
+    run = of(cfg)
+    assert run.ppo["total_episodes"] == cfg.ppo["total_episodes"] and run.ppo.resume == resume
+    with pytest.raises(KeyError):
+        run.ppo["no_such_key"]
+    assert PPOConfig.from_cfg(run.ppo) == PPOConfig.from_cfg(cfg.ppo)
+    assert ppo_sizes(run.ppo, 2) == ppo_sizes(cfg.ppo, 2)
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    for evaluation in (False, True):
+        assert _sampling.sampling(run, tok, 100, False, evaluation) == _sampling.sampling(cfg, tok, 100, False,
+                                                                                           evaluation)
+    assert _sampling.score_batch_size(run, 2, 151_669) == _sampling.score_batch_size(cfg, 2, 151_669)

@@ -160,7 +160,7 @@ def _embeddings(root: nn.Module) -> list[nn.Module]:
 
 @dataclass(frozen=True)
 class Placement:
-    """`place` with the run's settings: `Placement.of(cfg, device)(model)`; whole models stay where they were
+    """`place` with the run's settings: `Placement.of(run, device)(model)`; whole models stay where they were
     built unless sharded (`device.strategy=fsdp`)."""
 
     device: torch.device
@@ -169,10 +169,10 @@ class Placement:
     gather_for_sampling: bool = True    # device.fsdp.gather_for_sampling
 
     @classmethod
-    def of(cls, cfg, device) -> Placement:
+    def of(cls, run, device) -> Placement:
         from rlhf_cli.launch import strategy
 
-        d = cfg.device
+        d = run.device
         return cls(torch.device(device), strategy(d) == "fsdp",
                    bool(d.get("fsdp", {}).get("reshard_after_forward", True)),
                    bool(d.get("fsdp", {}).get("gather_for_sampling", True)))

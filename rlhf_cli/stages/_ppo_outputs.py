@@ -26,7 +26,8 @@ def warn_what_did_not_learn(trainer: PPOTrainer, p) -> None:
 
 
 def write_cards(work: Path, cfg, rows: dict) -> None:
-    """The model cards of the run (rlhf_cli.cards): the policy's, then best/'s and merged/'s where they are."""
+    """The model cards of the run (rlhf_cli.cards): the policy's, then best/'s and merged/'s where they are. `cfg`
+    is the composed config itself (a DictConfig), which each card records (cards.stage_record)."""
     cards.write_card(work, cfg, "ppo", rows)
     if (work / "best").is_dir():
         cards.write_card(work / "best", cfg, "best", rows)
@@ -34,9 +35,10 @@ def write_cards(work: Path, cfg, rows: dict) -> None:
         cards.write_card(work / "merged", cfg, "export", after=work)
 
 
-def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> None:
-    """Adapter (or policy) + tokenizer at the top, value/, merged/ with `ppo.merge=true`, metrics.json."""
-    p, c = cfg.ppo, trainer.c
+def write_outputs(trainer: PPOTrainer, tok, work: Path, run, seconds: float) -> None:
+    """Adapter (or policy) + tokenizer at the top, value/, merged/ with `ppo.merge=true`, metrics.json; `run`: the
+    run's settings (rlhf_cli.settings.of, or the composed config)."""
+    p, c = run.ppo, trainer.c
     checkpoint.save_model(trainer.unwrapped, work)
     tok.save_pretrained(str(work))
     if trainer.value is not None:
@@ -44,8 +46,8 @@ def write_outputs(trainer: PPOTrainer, tok, work: Path, cfg, seconds: float) -> 
     if p.merge and p.lora.enabled:
         import copy
 
-        if quantization.mode(cfg.model):  # into the base unquantized, as rlhf export merges
-            merged = merge_unquantized(trainer.unwrapped, p.policy_dir, resolve_precision(cfg)[0], cfg.model)
+        if quantization.mode(run.model):  # into the base unquantized, as rlhf export merges
+            merged = merge_unquantized(trainer.unwrapped, p.policy_dir, resolve_precision(run)[0], run.model)
         else:
             merged = merge_lora(copy.deepcopy(trainer.unwrapped))
         merged.save_pretrained(str(work / "merged"))

@@ -22,7 +22,7 @@ import json
 import logging
 from pathlib import Path
 
-from rlhf_cli import accel, devices
+from rlhf_cli import accel, devices, settings
 from rlhf_cli.config import require_dir
 from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, check_output_dir, output_kind, read_json, write_json
@@ -121,41 +121,42 @@ def markdown(report: dict) -> str:
 
 def run(cfg) -> None:
     setup_torch(cfg)
-    e = cfg.eval
+    typed = settings.of(cfg)  # what the stage reads
+    e = typed.eval
     policies = {name: path for name, path in e.policies.items() if path is not None}  # NAME=null: left out
-    inputs = [cfg.ppo.policy_dir, e.reward_dir, cfg.ppo.output_dir, *policies.values()]  # never replaced
+    inputs = [typed.ppo.policy_dir, e.reward_dir, typed.ppo.output_dir, *policies.values()]  # never replaced
     check_output_dir(e.output_dir, "eval", inputs)  # before the sampling, not after it (atomic_dir checks again)
-    device = devices.of_accelerator(cfg.device.accelerator)
-    paths = accel.configure(cfg, device.type)
-    storage, compute = resolve_precision(cfg)
-    ref_dir = require_dir(cfg.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
+    device = devices.of_accelerator(typed.device.accelerator)
+    paths = accel.configure(typed, device.type)
+    storage, compute = resolve_precision(typed)
+    ref_dir = require_dir(typed.ppo.policy_dir, "SFT policy (the reference, ppo.policy_dir)", "rlhf sft")
     reward_dir = None if e.reward_dir is None else \
         require_dir(e.reward_dir, "reward model (eval.reward_dir)", "rlhf reward", marker="config.json",
                     or_else="set eval.reward_dir=null to evaluate without one")
     made_by = {name: f"rlhf {name}" for name in POLICIES}
     policy_dirs = {name: require_dir(path, f"policy '{name}' (eval.policies.{name})", made_by.get(name, "rlhf ppo"))
                    for name, path in policies.items()}
-    tok = load_tokenizer(ref_dir, cfg.model)
-    rm_tok = own_tokenizer(reward_dir, tok, cfg) if reward_dir is not None else None
-    prompts, evals = _sampling.prompts(cfg, tok, "eval", limit=int(e.num_prompts))
-    gt = _sampling.ground_truth(cfg, evals)
+    tok = load_tokenizer(ref_dir, typed.model)
+    rm_tok = own_tokenizer(reward_dir, tok, typed) if reward_dir is not None else None
+    prompts, evals = _sampling.prompts(typed, tok, "eval", limit=int(e.num_prompts))
+    gt = _sampling.ground_truth(typed.data, evals)
     k = int(e.samples_per_prompt)  # each prompt's k samples are consecutive (evaluation.per_prompt)
     prompts, evals = [p for p in prompts for _ in range(k)], [x for x in evals for _ in range(k)]
     rows = _sampling.rows(evals)
 
-    quant = quantization_config(cfg)  # the frozen weights as PPO held them: its policy was trained on them
-    rm = load_reward_model(reward_dir, tok, storage, cfg, device, rm_tok, quant) if reward_dir is not None else None
+    quant = quantization_config(typed)  # the frozen weights as PPO held them: its policy was trained on them
+    rm = load_reward_model(reward_dir, tok, storage, typed, device, rm_tok, quant) if reward_dir is not None else None
     know_prompts(rm, (prompts, evals))
-    ref = load_policy(ref_dir, storage, cfg.model, merge=True, quant=quant).to(device).eval()
-    s = _sampling.sampling(cfg, tok, check_vocab(tok, ref, ref_dir),
-                           recompute=_sampling.recompute_logprobs(cfg.ppo.recompute_logprobs, compute), evaluation=True,
+    ref = load_policy(ref_dir, storage, typed.model, merge=True, quant=quant).to(device).eval()
+    s = _sampling.sampling(typed, tok, check_vocab(tok, ref, ref_dir),
+                           recompute=_sampling.recompute_logprobs(typed.ppo.recompute_logprobs, compute), evaluation=True,
                            engine=paths.sampler)
     autocast = lambda: devices.autocast(device, compute)  # noqa: E731
     results = {}
     with progress_bar(total=len(prompts) * len(policy_dirs), unit="resp", desc="eval", dynamic_ncols=True) as bar:
         for name, path in policy_dirs.items():
-            policy = load_policy(path, storage, cfg.model, base_dir=ref_dir, quant=quant).to(device).eval()
-            results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(cfg.seed), autocast, bar)
+            policy = load_policy(path, storage, typed.model, base_dir=ref_dir, quant=quant).to(device).eval()
+            results[name] = sample_and_score(policy, ref, rm, tok, prompts, s, device, int(typed.seed), autocast, bar)
             if gt is not None:
                 results[name]["ground_truth"] = gt(results[name]["texts"], prompts, rows)
             del policy
@@ -176,9 +177,9 @@ def run(cfg) -> None:
     for n, s in results.items():
         report["samples"][n] = [{"prompt": evals[i].prompt[-1]["content"], "response": s["texts"][i],
                                  "rm_score": s["rm_score"][i]} for i in range(0, min(6 * k, len(prompts)), k)]
-    ppo_dir = Path(cfg.ppo.output_dir)
+    ppo_dir = Path(typed.ppo.output_dir)
     with atomic_dir(e.output_dir, "eval", inputs) as out:
-        write_report(out, report, results, evals, gt, ppo_dir, str(cfg.ppo.advantage), policy_dirs)
+        write_report(out, report, results, evals, gt, ppo_dir, str(typed.ppo.advantage), policy_dirs)
     print_summary(report, bool(e.greedy), e.output_dir)
 
 

@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlhf_cli import accel, devices, resume
+from rlhf_cli import accel, devices, resume, settings
 from rlhf_cli.config import ppo_sizes, require_dir
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.hardware import resolve_precision, setup_torch
@@ -39,56 +39,64 @@ log = logging.getLogger("rlhf")
 
 
 def run(cfg, hooks: Hooks | None = None) -> dict:
+    """The stage reads its typed settings (rlhf_cli.settings.of); the composed config `cfg` itself is only
+    recorded: the run record a resume compares, the config wandb keeps, the model cards."""
     t_run = time.perf_counter()  # the wall time of the whole stage, loading included, for its last line
     setup_torch(cfg)
     from accelerate import Accelerator
 
     from rlhf_cli.launch import accelerator_kwargs
 
-    p = cfg.ppo
+    typed = settings.of(cfg)
+    p = typed.ppo
     c = PPOConfig.from_cfg(p)
-    acc = Accelerator(**accelerator_kwargs(cfg.device))
+    acc = Accelerator(**accelerator_kwargs(typed.device))
     sizes = ppo_sizes(p, acc.num_processes)
     c.check(sizes.local_batch_size)
-    storage, compute = resolve_precision(cfg)
+    storage, compute = resolve_precision(typed)
 
     # ---- tokenizer, prompts, reward functions and ground truth (a broken one fails before any model loads)
     policy_dir = require_dir(p.policy_dir, "SFT policy (ppo.policy_dir)", "rlhf sft")
-    tok = load_tokenizer(policy_dir, cfg.model)
-    prompts, examples = _sampling.prompts(cfg, tok, "train")
+    tok = load_tokenizer(policy_dir, typed.model)
+    prompts, examples = _sampling.prompts(typed, tok, "train")
     rows = _sampling.rows(examples)
     extra = {k for r in rows for k in r}
     functions = {spec: RewardFunction.load(spec, extra, timeout_s=p.reward_timeout_s, retries=p.reward_retries,
                                            max_abs=p.reward_max_abs)
                  for spec in c.reward if spec != REWARD_MODEL}  # a URL: a reward server (RemoteReward)
-    gt = _sampling.ground_truth(cfg, examples)
-    held_out = _held_out(cfg, tok, c.eval_every)
+    gt = _sampling.ground_truth(typed.data, examples)
+    held_out = _held_out(typed, tok, c.eval_every)
     evaluation.keep_best_metric(c.keep_best, c.eval_every, evaluation.metric_names(c.uses_reward_model,
                                                                                     gt is not None))
 
     # ---- the run directory (claimed before any model loads: a second run is refused at once), models, trainer
     out = Path(p.output_dir)
     if acc.is_main_process:
-        resume.claim(out, "ppo", bool(p.resume), bool(p.fresh), inputs=[p.policy_dir, p.reward_dir, p.value_init])
+        resume.claim(out, "ppo", p.resume != "false", bool(p.fresh),  # ppo.resume: true, false or force
+                     inputs=[p.policy_dir, p.reward_dir, p.value_init])
     acc.wait_for_everyone()
     work = resume.partial_dir(out)
-    paths = accel.configure(cfg, acc.device.type)
-    models = build_ppo_models(cfg, tok, devices.resolve(acc.device), storage, paths, acc.num_processes)
+    paths = accel.configure(typed, acc.device.type)
+    models = build_ppo_models(typed, tok, devices.resolve(acc.device), storage, paths, acc.num_processes)
     know_prompts(models.reward, (prompts, examples), held_out)  # a reward model with its own tokenizer needs them
     recompute = _sampling.recompute_logprobs(c.recompute_logprobs, compute)
     vocab = check_vocab(tok, models.policy, policy_dir)
-    sampling = _sampling.sampling(cfg, tok, vocab, recompute, engine=paths.sampler,
-                                  score_batch_size=_sampling.score_batch_size(cfg, sizes.micro_batch_size, vocab))
+    sampling = _sampling.sampling(typed, tok, vocab, recompute, engine=paths.sampler,
+                                  score_batch_size=_sampling.score_batch_size(typed, sizes.micro_batch_size, vocab))
     evaluator = None
     if held_out is not None:
         evaluator = evaluation.Evaluator(
-            held_out[0], _sampling.sampling(cfg, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
-            int(cfg.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(cfg, held_out[1]),
-            int(cfg.eval.samples_per_prompt))
-    stream = PromptStream(prompts, int(cfg.seed), acc.process_index, acc.num_processes, rows)
+            held_out[0], _sampling.sampling(typed, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
+            int(typed.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(typed.data, held_out[1]),
+            int(typed.eval.samples_per_prompt))
+    stream = PromptStream(prompts, int(typed.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
                          hooks=hooks, reward_functions=functions, evaluator=evaluator)
-    writer = _resume_then_open_logs(trainer, cfg, work, acc.is_main_process)
+    # what a resume compares (recorded from the composed config), the resume, then TensorBoard (and wandb if
+    # asked), opened once the resume is checked (a refused one writes nothing)
+    trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
+    _resume(trainer, p.resume, work)
+    writer = trainer.writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)
     describe_run(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
     if evaluator is not None:
         log.info("ppo: every %d updates and after the last, %d held-out prompts sampled with the eval settings "
@@ -106,7 +114,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
         metrics = trainer.train()
     with shard.whole(trainer.unwrapped, trainer.value_model()):  # sharded: gathered by every process
         if acc.is_main_process:
-            write_outputs(trainer, tok, work, cfg, time.perf_counter() - t_start)
+            write_outputs(trainer, tok, work, typed, time.perf_counter() - t_start)
             write_cards(work, cfg, {"train_prompts": len(prompts),
                                     "eval_prompts": len(held_out[0]) if held_out is not None else None})
             writer.close()
@@ -118,27 +126,25 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     return metrics
 
 
-def _resume_then_open_logs(trainer: PPOTrainer, cfg, work: Path, is_main: bool):
-    """`ppo.resume`: the run's shape compared and its state loaded; then TensorBoard (and wandb if asked), opened
-    once the resume is checked (a refused one writes nothing). Returns the writer."""
-    trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
-    if cfg.ppo.resume:
-        ckpt = resume.latest(work / "checkpoints")
-        trainer.resume(ckpt, force=cfg.ppo.resume == "force")
-        log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
-                 trainer.progress.episodes)
-    trainer.writer = make_writer(cfg, work / "tensorboard", is_main)
-    return trainer.writer
+def _resume(trainer: PPOTrainer, setting: str, work: Path) -> None:
+    """`ppo.resume` (`setting`: true, false or force, as its typed setting holds it): the run's shape compared
+    with the latest checkpoint's and its state loaded."""
+    if setting == "false":
+        return
+    ckpt = resume.latest(work / "checkpoints")
+    trainer.resume(ckpt, force=setting == "force")
+    log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
+             trainer.progress.episodes)
 
 
-def _held_out(cfg, tok, eval_every: int):
+def _held_out(run, tok, eval_every: int):
     """(prompts, examples) for ppo.eval_every, the held-out prompts that also give ppo.keep_best its metric;
-    None when it is 0."""
+    None when it is 0. `run`: the run's settings (rlhf_cli.settings.of)."""
     if not eval_every:
         return None
-    held_out = _sampling.prompts(cfg, tok, "eval", limit=int(cfg.eval.num_prompts))
+    held_out = _sampling.prompts(run, tok, "eval", limit=int(run.eval.num_prompts))
     if not held_out[0]:
         raise RlhfError(f"ppo.eval_every={eval_every}: every held-out prompt is longer than "
-                        f"data.max_prompt_length={cfg.data.max_prompt_length}; raise it, give other held-out "
+                        f"data.max_prompt_length={run.data.max_prompt_length}; raise it, give other held-out "
                         "data (data.eval_path), or set ppo.eval_every=0")
     return held_out
