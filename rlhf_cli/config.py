@@ -397,8 +397,9 @@ class PPOSizes:
     num_updates: int
 
 
-def ppo_sizes(p: DictConfig, world_size: int = 1) -> PPOSizes:
-    """Derive and validate the PPO batch sizes; every failure names the keys to change. Episodes beyond the
+def ppo_sizes(p, world_size: int = 1) -> PPOSizes:
+    """Derive and validate the PPO batch sizes of `p` (the `ppo` group: its typed view, rlhf_cli.settings, or the
+    DictConfig); every failure names the keys to change. Episodes beyond the
     last whole batch are not trained (a warning says how many are), so that every update has the same size."""
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                 "rollout_forward_batch_size", "num_ppo_epochs", "total_episodes"):

@@ -84,7 +84,8 @@ class PPOConfig:
 
     @classmethod
     def from_cfg(cls, p) -> PPOConfig:
-        """From the `ppo` group (a DictConfig or mapping); each value cast by its schema entry's kind."""
+        """From the `ppo` group (a DictConfig, a mapping or its typed view, rlhf_cli.settings); each value cast by
+        its schema entry's kind."""
         return cls(**{f.name: cast(SCHEMA[f"ppo.{f.name}"], p[f.name]) for f in fields(cls)})
 
     @property

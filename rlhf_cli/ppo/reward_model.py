@@ -83,20 +83,22 @@ def know_prompts(reward, *sources) -> None:
             reward.know(prompts, examples)
 
 
-def own_tokenizer(reward_dir: Path, tok, cfg):
+def own_tokenizer(reward_dir: Path, tok, run):
     """The reward model's tokenizer when it differs from the policy's `tok`; None when they are the same (the
-    reward model can read the policy's token ids)."""
-    rm_tok = load_tokenizer(reward_dir, cfg.model, scoring=True)
+    reward model can read the policy's token ids). `run`: the run's settings (rlhf_cli.settings.of, or the
+    composed config)."""
+    rm_tok = load_tokenizer(reward_dir, run.model, scoring=True)
     if same_tokenizer(tok, rm_tok):
         return None
     return rm_tok
 
 
-def load_reward_model(reward_dir: Path, tok, storage: torch.dtype, cfg, device, rm_tok=None, quant=None):
+def load_reward_model(reward_dir: Path, tok, storage: torch.dtype, run, device, rm_tok=None, quant=None):
     """The frozen reward model at `reward_dir`, ready to score: a `TokenValueModel` when it shares the policy's
     tokenizer `tok`, else a `TextRewardModel` (`rm_tok`: its tokenizer, from `own_tokenizer`). `quant`: its
-    decoder quantized (`rlhf_cli.models.quantization_config`)."""
-    model = load_seq_cls(reward_dir, rm_tok or tok, storage, cfg.model, trained_head=True, quant=quant)
+    decoder quantized (`rlhf_cli.models.quantization_config`); `run`: the run's settings (rlhf_cli.settings.of, or
+    the composed config)."""
+    model = load_seq_cls(reward_dir, rm_tok or tok, storage, run.model, trained_head=True, quant=quant)
     model = model.eval().requires_grad_(False)
     check_finite(model, "the reward model", reward_dir)
     scorer = TokenValueModel(model).to(device).eval()
@@ -108,8 +110,8 @@ def load_reward_model(reward_dir: Path, tok, storage: torch.dtype, cfg, device, 
     log.info("reward model %s has its own tokenizer (%d tokens): responses are re-rendered with its chat template "
              "(%s) and re-tokenized to score", reward_dir, len(rm_tok),
              "as rlhf reward trained it" if rlhf_format else "the whole conversation")
-    return TextRewardModel(scorer, rm_tok, rlhf_format=rlhf_format, thinking=bool(cfg.model.enable_thinking),
-                           chat_template=bool(cfg.data.chat_template),
+    return TextRewardModel(scorer, rm_tok, rlhf_format=rlhf_format, thinking=bool(run.model.enable_thinking),
+                           chat_template=bool(run.data.chat_template),
                            max_length=int(min(limits)) if limits else None).eval()
 
 
