@@ -195,3 +195,5 @@ def _drop_singletons(keep_locks: bool = False) -> None:
     run_lock.release_all()
     cli._failed_jobs.clear()
     gc.collect()
+    if not gc.get_freeze_count():  # once: what is alive now (the libraries and their caches) lives as long as
+        gc.freeze()  # this process, and each later collection (two per CLI call) skips it
