@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlhf_cli import data as D
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.ppo.evaluation import mean
+from rlhf_cli.ppo.evaluation import Evaluator, mean
 from rlhf_cli.ppo.experience import Sampling
 
 
@@ -130,3 +130,27 @@ def answer_check(model, tok, run, n: int = ANSWER_PROMPTS) -> dict:
     return {"answers_eos_rate": sum(ends) / len(ends),
             "answers_ground_truth_rate": mean(gt(texts, asked, fields)),
             "data_ground_truth_rate": mean(gt(*(list(x) for x in zip(*refs))))}
+
+
+def held_out(run, tok, eval_every: int):
+    """(prompts, examples) for ppo.eval_every, the held-out prompts that also give ppo.keep_best its metric;
+    None when it is 0. `run`: the run's settings (rlhf_cli.settings.of)."""
+    if not eval_every:
+        return None
+    held_out = prompts(run, tok, "eval", limit=int(run.eval.num_prompts))
+    if not held_out[0]:
+        raise RlhfError(f"ppo.eval_every={eval_every}: every held-out prompt is longer than "
+                        f"data.max_prompt_length={run.data.max_prompt_length}; raise it, give other held-out "
+                        "data (data.eval_path), or set ppo.eval_every=0")
+    return held_out
+
+
+def evaluator(typed, tok, vocab: int, recompute: bool, engine, held_out) -> Evaluator | None:
+    """The held-out evaluation of `ppo.eval_every` (None without held-out prompts): sampled with the eval
+    settings."""
+    if held_out is None:
+        return None
+    return Evaluator(
+        held_out[0], sampling(typed, tok, vocab, recompute, evaluation=True, engine=engine),
+        int(typed.seed), rows(held_out[1]), ground_truth(typed.data, held_out[1]),
+        int(typed.eval.samples_per_prompt))

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from rlhf_cli import devices, settings
-from rlhf_cli.stage_table import POLICIES
 from rlhf_cli.config import require_dir
 from rlhf_cli.data import prompt_text
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.models import load_policy, load_tokenizer
 from rlhf_cli.hardware import resolve_precision, setup_torch
+from rlhf_cli.models import load_policy, load_tokenizer
+from rlhf_cli.stage_table import POLICIES
 
 RESET = "/reset"
 QUIT = ("exit", "quit", "/exit", "/quit")

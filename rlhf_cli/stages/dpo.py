@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 from rlhf_cli import gpu_memory, settings
+from rlhf_cli.cards import write_card
 from rlhf_cli.config import require_dir
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.cards import write_card
+from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.launch import is_sharded
 from rlhf_cli.models import load_causal_lm, load_tokenizer, lora_config, quantization_config
-from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,

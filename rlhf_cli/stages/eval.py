@@ -95,8 +95,8 @@ def markdown(report: dict) -> str:
             and not (n == 1 and k in ("pass_at_k", "mean_at_k"))]  # one response per prompt: they are pass@1
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [f"# rlhf eval: {report['num_prompts']} held-out prompts", "",
-             f"{n} response(s) per prompt, at most {report.get('response_cap')} tokens each (the response cap; "
-             "truncation_rate: the share cut there without a stop token)", "",
+             (f"{n} response(s) per prompt, at most {report.get('response_cap')} tokens each (the response cap; "
+              "truncation_rate: the share cut there without a stop token)"), "",
              "| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
     lines += [f"| {label.get(k, k)} | " + " | ".join(fmt(pols[p].get(k)) for p in pols) + " |" for k in keys]
     lines += [""] + [f"- win rate {k.replace('_vs_', ' over ')} (reward model): **{v:.3f}**"

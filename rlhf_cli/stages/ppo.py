@@ -20,7 +20,6 @@ from pathlib import Path
 
 from rlhf_cli import accel, devices, resume, settings
 from rlhf_cli.config import ppo_sizes, require_dir
-from rlhf_cli.errors import RlhfError
 from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import publish
 from rlhf_cli.models import check_vocab, load_tokenizer
@@ -65,7 +64,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
                                            max_abs=p.reward_max_abs)
                  for spec in c.reward if spec != REWARD_MODEL}  # a URL: a reward server (RemoteReward)
     gt = _sampling.ground_truth(typed.data, examples)
-    held_out = _held_out(typed, tok, c.eval_every)
+    held_out = _sampling.held_out(typed, tok, c.eval_every)
     evaluation.keep_best_metric(c.keep_best, c.eval_every, evaluation.metric_names(c.uses_reward_model,
                                                                                     gt is not None))
 
@@ -83,17 +82,11 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     vocab = check_vocab(tok, models.policy, policy_dir)
     sampling = _sampling.sampling(typed, tok, vocab, recompute, engine=paths.sampler,
                                   score_batch_size=_sampling.score_batch_size(typed, sizes.micro_batch_size, vocab))
-    evaluator = None
-    if held_out is not None:
-        evaluator = evaluation.Evaluator(
-            held_out[0], _sampling.sampling(typed, tok, vocab, recompute, evaluation=True, engine=paths.sampler),
-            int(typed.seed), _sampling.rows(held_out[1]), _sampling.ground_truth(typed.data, held_out[1]),
-            int(typed.eval.samples_per_prompt))
+    evaluator = _sampling.evaluator(typed, tok, vocab, recompute, paths.sampler, held_out)
     stream = PromptStream(prompts, int(typed.seed), acc.process_index, acc.num_processes, rows)
     trainer = PPOTrainer(c, sizes, models, tok, stream, sampling, acc, work, compute_dtype=compute, ground_truth=gt,
                          hooks=hooks, reward_functions=functions, evaluator=evaluator)
-    # what a resume compares (recorded from the composed config), the resume, then TensorBoard (and wandb if
-    # asked), opened once the resume is checked (a refused one writes nothing)
+    # the record a resume compares, the resume, then TensorBoard / wandb (a refused resume writes nothing)
     trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
     _resume(trainer, p.resume, work)
     writer = trainer.writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)
@@ -135,16 +128,3 @@ def _resume(trainer: PPOTrainer, setting: str, work: Path) -> None:
     trainer.resume(ckpt, force=setting == "force")
     log.info("ppo: resumed from %s at update %d (%d episodes)", ckpt, trainer.progress.update,
              trainer.progress.episodes)
-
-
-def _held_out(run, tok, eval_every: int):
-    """(prompts, examples) for ppo.eval_every, the held-out prompts that also give ppo.keep_best its metric;
-    None when it is 0. `run`: the run's settings (rlhf_cli.settings.of)."""
-    if not eval_every:
-        return None
-    held_out = _sampling.prompts(run, tok, "eval", limit=int(run.eval.num_prompts))
-    if not held_out[0]:
-        raise RlhfError(f"ppo.eval_every={eval_every}: every held-out prompt is longer than "
-                        f"data.max_prompt_length={run.data.max_prompt_length}; raise it, give other held-out "
-                        "data (data.eval_path), or set ppo.eval_every=0")
-    return held_out

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from rlhf_cli import devices, gpu_memory, quantization, settings
-from rlhf_cli.config import require_dir
 from rlhf_cli.cards import write_card
+from rlhf_cli.config import require_dir
+from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.learned import reward_warning
 from rlhf_cli.models import load_seq_cls, load_tokenizer
-from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.sources import base_model_dir
 from rlhf_cli.stages._common import (
     Checkpoints,
