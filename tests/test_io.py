@@ -388,7 +388,10 @@ def test_the_check_reads_only(tmp_path):
 
 # ---------------------------------------------------------------------------------------- one run per output
 HOLD = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as at a terminal: the test process may pass SIGINT on ignored (a background job's is), and a child keeps
+# an ignored signal; the holder would then sleep out its 120 s and leave by a normal exit, not by Ctrl-C
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from rlhf_cli.run_lock import claim_output
 claim_output(sys.argv[1], sys.argv[2])
 print("locked", flush=True)
@@ -465,7 +468,8 @@ def test_ctrl_c_releases_the_lock_and_removes_its_file(tmp_path, holder):
     final = tmp_path / "ppo"
     first = holder(final, "ppo")
     first.send_signal(signal.SIGINT)
-    first.wait()
+    first.wait(timeout=60)  # well before the holder's 120 s sleep ends: it stopped on the Ctrl-C
+    assert first.returncode != 0 and "KeyboardInterrupt" in first.stderr.read()
     assert not lock_of(final).exists()
 
 
