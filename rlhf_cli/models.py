@@ -186,7 +186,9 @@ def load_seq_cls(path, tokenizer, dtype: torch.dtype, model_cfg=None, trained_he
     return model
 
 
-def lora_config(lcfg, task_type: str):
+def lora_config(lcfg, task_type: str, model=None, key: str = "lora"):
+    """peft's LoraConfig from a `<stage>.lora` group. With `model`, each `modules_to_save` name must name one of
+    its layers (peft skips an unknown one without a word): else one line naming `<key>.modules_to_save`."""
     from peft import LoraConfig
 
     targets = lcfg.target_modules
@@ -194,6 +196,12 @@ def lora_config(lcfg, task_type: str):
         targets = list(targets)
     saved = lcfg.get("modules_to_save")
     saved = [saved] if isinstance(saved, str) else list(saved) if saved else None
+    if saved and model is not None:
+        layers = [name for name, _ in model.named_modules()]
+        unknown = [s for s in saved if not any(n == s or n.endswith("." + s) for n in layers)]
+        if unknown:
+            raise RlhfError(f"{key}.modules_to_save: {', '.join(unknown)} names no layer of the model; use layer "
+                            "names such as lm_head or embed_tokens, or null")
     return LoraConfig(r=int(lcfg.r), lora_alpha=int(lcfg.alpha), lora_dropout=float(lcfg.get("dropout", 0.0)),
                       target_modules=targets, task_type=task_type, modules_to_save=saved,
                       ensure_weight_tying=bool(saved))

@@ -196,6 +196,29 @@ def test_modules_to_save_train_the_tied_output_layer_that_the_fused_head_reads(b
     assert not plain.get_output_embeddings().weight.requires_grad  # without the key: frozen, as before
 
 
+def test_modules_to_save_names_are_checked_against_the_model(base):
+    """peft skips a modules_to_save name that matches no layer without a word: here it is one line naming the
+    key; a dotted path (model.embed_tokens) matches as peft matches it."""
+    from rlhf_cli.models import load_causal_lm, lora_config
+
+    model = load_causal_lm(base, torch.float32)
+    lcfg = compose("sft", ["sft.lora.modules_to_save=[lm_head, model.embed_tokens]"]).sft.lora
+    assert lora_config(lcfg, "CAUSAL_LM", model, "sft.lora").modules_to_save == ["lm_head", "model.embed_tokens"]
+    bad = compose("sft", ["sft.lora.modules_to_save=[lm_haed]"]).sft.lora
+    with pytest.raises(RlhfError) as e:
+        lora_config(bad, "CAUSAL_LM", model, "sft.lora")
+    assert "sft.lora.modules_to_save" in str(e.value) and "lm_haed" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sft_with_an_unknown_modules_to_save_name_exits_with_one_line(run_cli, tmp_path):
+    rc, out, err = run_cli("sft", "device.threads=1", "sft.lora.enabled=true", "sft.lora.modules_to_save=[lm_haed]",
+                           "sft.max_steps=1", "data.max_rows=48", f"run_dir={tmp_path / 'run'}")
+    assert rc != 0
+    last = [ln for ln in err.strip().splitlines() if ln.strip()][-1]
+    assert "sft.lora.modules_to_save" in last and "lm_haed" in last
+    assert not (tmp_path / "run" / "sft").exists()
+
+
 # ------------------------------------------------------------------------------------------------ training
 def test_qlora_sft_and_dpo_steps(run_cli, tmp_path):
     """A LoRA SFT step on the 4-bit tiny base; the published model is the adapter merged into the base loaded

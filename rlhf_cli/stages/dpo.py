@@ -101,7 +101,7 @@ def build_trainer(run, policy_dir: Path, work: Path):
                      disable_dropout=True, dataset_num_proc=None)
     trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None, processing_class=tok,
-                         peft_config=lora_config(d.lora, "CAUSAL_LM") if lora else None)
+                         peft_config=lora_config(d.lora, "CAUSAL_LM", model, "dpo.lora") if lora else None)
     if quant is not None:
         qlora_adapters(trainer.model)
     # trl drops pairs whose prompt fills max_length (no answer token left to compare)

@@ -94,9 +94,10 @@ def build_trainer(run, work: Path):
     kw = trainer_kwargs(s, run, work, precision, len(train_rows))
     kw["num_train_epochs"] = sft_floor(run, steps_per_epoch(len(train_rows), kw)) or kw["num_train_epochs"]
     args = SFTConfig(**kw, completion_only_loss=True, packing=False, dataset_num_proc=None)
+    peft = lora_config(s.lora, "CAUSAL_LM", model, "sft.lora") if lora else None
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
-                         processing_class=tok, peft_config=lora_config(s.lora, "CAUSAL_LM") if lora else None)
+                         processing_class=tok, peft_config=peft)
     if quant is not None:
         qlora_adapters(trainer.model)
     # trl drops examples whose prompt fills max_length (no answer token left to learn from)
