@@ -8,7 +8,9 @@ Imports no torch or transformers."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import fields, make_dataclass
+from dataclasses import replace as _replace
 from types import MappingProxyType
 
 from rlhf_cli.keys import SCHEMA, Rule
@@ -73,7 +75,8 @@ def view_type(group: str) -> type:
             head, _, rest = key[len(prefix):].partition(".")
             names.setdefault(head, view_type(prefix + head) if rest else _TYPES[rule.kind])
     cls_name = "".join(p.title() for p in group.split(".")) or "Run"
-    return make_dataclass(cls_name + "Settings", list(names.items()), bases=(Settings,), frozen=True, slots=True)
+    return make_dataclass(cls_name + "Settings", list(names.items()), bases=(Settings,), frozen=True, slots=True,
+                          namespace={"GROUP": group})
 
 
 def view(group: str, node) -> Settings:
@@ -92,3 +95,25 @@ def of(cfg) -> Settings:
     """The whole composed config as one typed view: `of(cfg).sft.lora.r`, `of(cfg).seed`. It reads as the
     DictConfig does (attributes, `get`), so a function that reads a config by attribute takes either."""
     return view("", cfg)
+
+
+def with_values(settings: Settings, values: Mapping[str, object]) -> Settings:
+    """A copy of the view `settings` with `values` set: each a dotted key below the view's group
+    (`{"ppo.value_lora": True}` on `of(cfg)`, `{"lora.r": 8}` on its `sft`), cast by its key's kind (`cast`);
+    the view itself is unchanged (views are frozen). A key the view has no field for is a KeyError."""
+    group = type(settings).GROUP
+    leaves: dict[str, object] = {}
+    below: dict[str, dict[str, object]] = {}
+    for dotted, value in values.items():
+        head, _, rest = dotted.partition(".")
+        key = _key(group, head)
+        if rest and not isinstance(getattr(settings, head, None), Settings):
+            raise KeyError(_key(group, dotted))
+        if rest:
+            below.setdefault(head, {})[rest] = value
+        elif key in SCHEMA:
+            leaves[head] = cast(SCHEMA[key], value)
+        else:
+            raise KeyError(key)
+    return _replace(settings, **leaves, **{head: with_values(getattr(settings, head), sub)
+                                           for head, sub in below.items()})

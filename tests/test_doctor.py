@@ -15,6 +15,7 @@ import pytest
 
 from rlhf_cli import memory as M
 from rlhf_cli.config import compose
+from rlhf_cli.settings import of
 
 QWEN = M.KNOWN_ARCHS["Qwen/Qwen3-0.6B"]
 PROBE = Path(__file__).resolve().parent.parent / "bench" / "probes" / "rss_probe.py"
@@ -261,11 +262,12 @@ def test_the_planner_imports_no_torch_and_times_nothing():
     code = ("import sys\n"
             "from rlhf_cli import memory as M\n"
             "from rlhf_cli.config import compose\n"
+            "from rlhf_cli.settings import of\n"
             "for recipe, device in (('tiny', 'cpu'), ('qwen3-0.6b', 'cpu'), ('qwen3-0.6b', 'cuda')):\n"
             "    cfg = compose('doctor', [f'recipe={recipe}', f'device={device}'])\n"
             "    a, s = M.arch_for_model(cfg.model)[0], M.setup_from(cfg)\n"
             "    for stage in M.PLANNERS:\n"
-            "        M.remedies(cfg, stage, a, s, M.plan_stage(cfg, stage, a, s).peak / 4)\n"
+            "        M.remedies(of(cfg), stage, a, s, M.plan_stage(cfg, stage, a, s).peak / 4)\n"
             "heavy = sorted(m for m in sys.modules\n"
             "               if m.split('.')[0] in ('torch', 'transformers', 'trl', 'peft'))\n"
             "assert not heavy, heavy\n")
@@ -368,12 +370,12 @@ def test_advice_fits_the_budget():
     cfg = compose("ppo", ["recipe=qwen3-0.6b"])
     s = M.setup_from(cfg)
     budget = 0.75 * M.plan_stage(cfg, "ppo", QWEN, s).peak
-    singles, combo = M.remedies(cfg, "ppo", QWEN, s, budget)
+    singles, combo = M.remedies(of(cfg), "ppo", QWEN, s, budget)
     advice = singles + ([combo] if combo else [])
     assert advice
     assert all(plan.peak <= budget and label.startswith(("ppo.", "device=")) for label, plan in advice)
     sft_cfg = compose("sft", ["recipe=qwen3-0.6b", "sft.per_device_eval_batch_size=4"])
-    singles, _ = M.remedies(sft_cfg, "sft", QWEN, M.setup_from(sft_cfg), 14 * M.GiB)
+    singles, _ = M.remedies(of(sft_cfg), "sft", QWEN, M.setup_from(sft_cfg), 14 * M.GiB)
     assert singles and all(p.peak <= 14 * M.GiB for _, p in singles)
 
 

@@ -79,3 +79,25 @@ def test_the_ppo_side_reads_the_same_from_the_typed_config(resume):
         assert _sampling.sampling(run, tok, 100, False, evaluation) == _sampling.sampling(cfg, tok, 100, False,
                                                                                            evaluation)
     assert _sampling.score_batch_size(run, 2, 151_669) == _sampling.score_batch_size(cfg, 2, 151_669)
+
+
+def test_with_values_casts_each_value_and_leaves_the_view_unchanged():
+    """settings.with_values: a copy with dotted keys set (below the view's group), each cast by its key's kind; the
+    original view keeps its values; a key the view has no field for is a KeyError."""
+    from rlhf_cli.settings import of, with_values
+
+    run = of(compose("ppo", ["ppo.value_lora=false"]))
+    changed = with_values(run, {"ppo.per_device_train_batch_size": "2", "ppo.value_lora": 1, "seed": 7.0,
+                                "device.fsdp.gather_for_sampling": False, "ppo.lora.target_modules": ["q_proj"],
+                                "ppo.resume": True})
+    assert changed.ppo.per_device_train_batch_size == 2 and type(changed.ppo.per_device_train_batch_size) is int
+    assert changed.ppo.value_lora is True and changed.seed == 7 and type(changed.seed) is int
+    assert changed.device.fsdp.gather_for_sampling is False and changed.ppo.lora.target_modules == ("q_proj",)
+    assert changed.ppo.resume == "true"  # an enum's true / false as lower-case text, as `of` casts it
+    assert changed.ppo.learning_rate == run.ppo.learning_rate and changed.sft == run.sft  # the rest as it was
+    assert run == of(compose("ppo", ["ppo.value_lora=false"]))  # the original view is unchanged
+    assert run.ppo.value_lora is False and run.device.fsdp.gather_for_sampling is True
+    assert with_values(run.sft, {"lora.r": "4"}).lora.r == 4  # keys below a group view's own group
+    for bad in ("ppo.no_such_key", "no_such_group.x", "seed.x"):
+        with pytest.raises(KeyError):
+            with_values(run, {bad: 1})

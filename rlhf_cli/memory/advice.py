@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rlhf_cli import quantization
+from rlhf_cli import quantization, settings
 from rlhf_cli.memory.arch import Arch, GiB, MiB
 from rlhf_cli.memory.plan import (
     ALLOCATOR_SLACK,
@@ -22,32 +22,24 @@ from rlhf_cli.memory.ppo_plan import gathers_for_sampling, plan_ppo
 PLANNERS = {"sft": plan_sft, "reward": plan_reward, "ppo": plan_ppo, "dpo": plan_dpo}  # each training stage (test)
 
 
-def plan_stage(cfg, stage: str, a: Arch, s: Setup | None = None) -> StagePlan:
-    s = s or setup_from(cfg)
-    plan = PLANNERS[stage](cfg, a, s)
+def plan_stage(run, stage: str, a: Arch, s: Setup | None = None) -> StagePlan:
+    """The memory plan of `stage` (`run`: the run's settings, rlhf_cli.settings.of) under `s` (default: the
+    setup `run` describes)."""
+    s = s or setup_from(run)
+    plan = PLANNERS[stage](run, a, s)
     kind = "cuda" if s.accelerator == "cuda" else "cpu"
     plan.overhead = RUNTIME_OVERHEAD_MIB[kind][stage] * MiB
     plan.slack = ALLOCATOR_SLACK[kind]
     key = quantization.LORA_KEYS.get(stage)
-    if s.quantization and key and not bool(cfg[stage].lora.enabled):
+    if s.quantization and key and not bool(run[stage].lora.enabled):
         plan.notes.append(f"planned unquantized: {stage} refuses model.quantization={s.quantization} with "
                           f"{key}=false (set it true for QLoRA)")
     return plan
 
 
-def _with(cfg, **dotted):
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    OmegaConf.set_struct(c, False)
-    for k, v in dotted.items():
-        OmegaConf.update(c, k.replace("__", "."), v, merge=True)
-    return c
-
-
-def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
+def _changes(run, stage: str, s: Setup) -> list[tuple[dict, dict]]:
     """Single changes that can lower a stage's peak: ({config key: value}, {Setup field: value})."""
-    st = cfg[stage]
+    st = run[stage]
     out: list[tuple[dict, dict]] = []
     b = int(st.per_device_train_batch_size)
     if b > 1:  # half the micro-batch, twice the accumulation: the same batch per optimizer step
@@ -77,7 +69,7 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
         if not bool(st.get("activation_checkpointing", False)):
             out.append(({"ppo.activation_checkpointing": True}, {}))
         sharded = s.strategy == "fsdp" and s.world > 1
-        if sharded and gathers_for_sampling(cfg):
+        if sharded and gathers_for_sampling(run):
             out.append(({"device.fsdp.gather_for_sampling": False}, {}))
         if s.accelerator == "cuda" and not sharded:
             n = max(s.per_machine, 8)
@@ -86,9 +78,9 @@ def _changes(cfg, stage: str, s: Setup) -> list[tuple[dict, dict]]:
     return out
 
 
-def _apply(cfg, s: Setup, keys: dict, fields: dict):
-    return (_with(cfg, **{k.replace(".", "__"): v for k, v in keys.items()}) if keys else cfg), \
-        (replace(s, **fields) if fields else s)
+def _apply(run, s: Setup, keys: dict, fields: dict):
+    """The run's settings with `keys` ({dotted key: value}) changed, and the setup with `fields` changed."""
+    return (settings.with_values(run, keys) if keys else run), (replace(s, **fields) if fields else s)
 
 
 def _device_label(s: Setup) -> list[str]:
@@ -101,12 +93,13 @@ def _device_label(s: Setup) -> list[str]:
     return out
 
 
-def remedies(cfg, stage: str, a: Arch, s: Setup, budget: float) -> tuple[list[tuple[str, StagePlan]],
+def remedies(run, stage: str, a: Arch, s: Setup, budget: float) -> tuple[list[tuple[str, StagePlan]],
                                                                            tuple[str, StagePlan] | None]:
-    """(single changes whose plan fits `budget`, else a greedy combination that fits - or None)."""
+    """(single changes whose plan fits `budget`, else a greedy combination that fits - or None); `run`: the run's
+    settings (rlhf_cli.settings.of), which each change copies with its keys set (settings.with_values)."""
     singles = []
-    for keys, fields in _changes(cfg, stage, s):
-        c, s2 = _apply(cfg, s, keys, fields)
+    for keys, fields in _changes(run, stage, s):
+        c, s2 = _apply(run, s, keys, fields)
         p = plan_stage(c, stage, a, s2)
         if p.peak <= budget:
             label = " ".join([f"{k}={str(v).lower()}" for k, v in keys.items()]
@@ -114,7 +107,7 @@ def remedies(cfg, stage: str, a: Arch, s: Setup, budget: float) -> tuple[list[tu
             singles.append((label, p))
     if singles:
         return sorted(singles, key=lambda x: x[1].peak, reverse=True), None
-    c, s2, chosen = cfg, s, {}
+    c, s2, chosen = run, s, {}
     current = plan_stage(c, stage, a, s2).peak
     for _ in range(12):
         options = []

@@ -93,7 +93,7 @@ class Lengths:
 
 @dataclass(frozen=True)
 class Setup:
-    """What the plan depends on besides the architecture (read from the composed config by `setup_from`)."""
+    """What the plan depends on besides the architecture (read from the run's settings by `setup_from`)."""
     accelerator: str = "cpu"          # cpu | cuda
     strategy: str = "single"          # single | ddp | deepspeed | fsdp
     world: int = 1                    # processes over all machines
@@ -112,11 +112,11 @@ class Setup:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def setup_from(cfg, visible_gpus: int = 0, lengths: Lengths | None = None) -> Setup:
+def setup_from(run, visible_gpus: int = 0, lengths: Lengths | None = None) -> Setup:
     """`device.num_processes=auto` plans for the visible GPUs (8 when none is visible here)."""
-    d = cfg.device
+    d = run.device
     # planned for the device the recipe names, whatever this machine has: a GPU with bf16 (fp16 is the same size)
-    p = precision(cfg.model.dtype, d.mixed_precision, str(d.accelerator),
+    p = precision(run.model.dtype, d.mixed_precision, str(d.accelerator),
                   cuda_bf16=True if str(d.accelerator) == "cuda" else None)
     n = d.num_processes
     per_machine = (visible_gpus or 8) if str(n) == "auto" else int(n)
@@ -126,22 +126,22 @@ def setup_from(cfg, visible_gpus: int = 0, lengths: Lengths | None = None) -> Se
                  per_machine=per_machine, zero_stage=zero, offload_optimizer=bool(d.offload_optimizer),
                  offload_params=bool(d.offload_params), frozen_bytes=DTYPE_BYTES[p.storage],
                  compute_bytes=DTYPE_BYTES[p.compute], dtype_name=p.storage, compute_name=SHORT[p.compute],
-                 lengths=lengths or Lengths(), quantization=quantization.mode(cfg.model))
+                 lengths=lengths or Lengths(), quantization=quantization.mode(run.model))
 
 
-def prompt_tokens(cfg, s: Setup) -> tuple[int, str]:
+def prompt_tokens(run, s: Setup) -> tuple[int, str]:
     """(prompt length the plan uses, what it is): the data's longest prompt, else data.max_prompt_length
     (longer prompts are dropped by the stages, so it caps the data's figure too)."""
-    cap = int(cfg.data.max_prompt_length)
+    cap = int(run.data.max_prompt_length)
     if s.lengths.prompt is None:
         return cap, f"data.max_prompt_length={cap}"
     return min(s.lengths.prompt, cap), f"the data's longest prompt; data.max_prompt_length={cap} caps it"
 
 
-def sequence_tokens(cfg, stage: str, s: Setup) -> tuple[int, str]:
+def sequence_tokens(run, stage: str, s: Setup) -> tuple[int, str]:
     """(sequence length the plan uses for sft / reward / dpo, what it is): the data's longest row cut at
     <stage>.max_length, else <stage>.max_length."""
-    cap = int(cfg[stage].max_length)
+    cap = int(run[stage].max_length)
     n = {"sft": s.lengths.sft, "reward": s.lengths.reward, "dpo": s.lengths.reward}[stage]
     if n is None:
         return cap, f"{stage}.max_length={cap}"
@@ -218,8 +218,8 @@ def casts_trainable(s: Setup) -> bool:
     return s.compute_bytes < 4 and s.strategy != "deepspeed"
 
 
-def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
-    st = cfg.sft
+def plan_sft(run, a: Arch, s: Setup) -> StagePlan:
+    st = run.sft
     plan = StagePlan("sft")
     cb = s.compute_bytes
     p = causal_lm_params(a)
@@ -232,7 +232,7 @@ def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
         copies = add_trainable(plan, s, "policy weights", p, "policy")
         kw = {"trainable": True, "residual_bytes": cb if s.strategy == "deepspeed" else 4}
     b = int(st.per_device_train_batch_size)
-    t, t_note = sequence_tokens(cfg, "sft", s)
+    t, t_note = sequence_tokens(run, "sft", s)
     plan.notes.append(f"sequence length {t} tokens: {t_note}")
     ckpt = bool(st.activation_checkpointing)
     act = activations(a, b, t, cb, ckpt, cast=casts_trainable(s), **kw)
@@ -256,14 +256,14 @@ def plan_sft(cfg, a: Arch, s: Setup) -> StagePlan:
     return plan
 
 
-def plan_reward(cfg, a: Arch, s: Setup) -> StagePlan:
-    st = cfg.reward
+def plan_reward(run, a: Arch, s: Setup) -> StagePlan:
+    st = run.reward
     plan = StagePlan("reward")
     cb = s.compute_bytes
     copies = add_trainable(plan, s, "reward model weights", seq_cls_params(a), "reward model")
     kw = {"trainable": True, "residual_bytes": cb if s.strategy == "deepspeed" else 4, "cast": casts_trainable(s)}
     b, be = 2 * int(st.per_device_train_batch_size), 2 * int(st.per_device_eval_batch_size)
-    t, t_note = sequence_tokens(cfg, "reward", s)
+    t, t_note = sequence_tokens(run, "reward", s)
     plan.notes.append(f"sequence length {t} tokens: {t_note}")
     ckpt = bool(st.activation_checkpointing)
     act = activations(a, b, t, cb, ckpt, **kw)
@@ -280,12 +280,12 @@ def plan_reward(cfg, a: Arch, s: Setup) -> StagePlan:
     return plan
 
 
-def plan_dpo(cfg, a: Arch, s: Setup) -> StagePlan:
+def plan_dpo(run, a: Arch, s: Setup) -> StagePlan:
     """trl's DPOTrainer: each step runs the policy on chosen + rejected (2 × micro-batch sequences) with
     gradients, then, while those activations are held, the reference on the same sequences without them (with
     LoRA the policy with its adapter disabled, else a frozen copy in model.dtype), both through trl's fused LM
     head; then the backward."""
-    st = cfg.dpo
+    st = run.dpo
     plan = StagePlan("dpo")
     cb = s.compute_bytes
     p = causal_lm_params(a)
@@ -303,7 +303,7 @@ def plan_dpo(cfg, a: Arch, s: Setup) -> StagePlan:
         kw = {"trainable": True, "residual_bytes": cb if s.strategy == "deepspeed" else 4}
         plan.checkpoint = p * (4 + 8)
     b, be = 2 * int(st.per_device_train_batch_size), 2 * int(st.per_device_eval_batch_size)
-    t, t_note = sequence_tokens(cfg, "dpo", s)
+    t, t_note = sequence_tokens(run, "dpo", s)
     plan.notes.append(f"sequence length {t} tokens: {t_note}")
     ckpt = bool(st.activation_checkpointing)
     act = activations(a, b, t, cb, ckpt, cast=casts_trainable(s), **kw)

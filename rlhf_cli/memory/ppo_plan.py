@@ -38,9 +38,9 @@ from rlhf_cli.memory.plan import (
 )
 
 
-def recomputes_logprobs(cfg, s: Setup) -> bool:
+def recomputes_logprobs(run, s: Setup) -> bool:
     """ppo.recompute_logprobs: auto recomputes the old log-probs when compute is not fp32."""
-    v = str(cfg.ppo.recompute_logprobs).lower()
+    v = str(run.ppo.recompute_logprobs).lower()
     return v == "true" or (v == "auto" and s.compute_bytes < 4)
 
 
@@ -86,11 +86,11 @@ def _ppo_weights(plan: StagePlan, p, a: Arch, ps: Setup) -> float:
     return copies
 
 
-def _onednn_caches(cfg, a: Arch, s: Setup) -> bool:
+def _onednn_caches(run, a: Arch, s: Setup) -> bool:
     """Whether PPO's linear layers run on oneDNN here (rlhf_cli.accel.cpu_linear): on the CPU, device.fast_paths
     not off, device.cpu_matmul onednn (or auto on a CPU onednn_by_default names), fp32 weights and compute, layers
     at least ONEDNN_MIN_DIM wide."""
-    d = cfg.device
+    d = run.device
     matmul = str(d.cpu_matmul)
     return (s.accelerator == "cpu" and str(d.fast_paths) != "off" and not s.quantization
             and (matmul == "onednn" or (matmul == "auto" and onednn_by_default()))
@@ -111,7 +111,7 @@ def _sharded_units(plan: StagePlan, a: Arch, ps: Setup, params: float, what: str
     return nbytes
 
 
-def _ppo_sampling(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, prompt: int, seq: int, adapted: tuple | None,
+def _ppo_sampling(plan: StagePlan, run, a: Arch, ps: Setup, f: int, prompt: int, seq: int, adapted: tuple | None,
                   copies: float = 0.0) -> None:
     """Rollout, step 1: sampling `f` sequences of `seq` tokens (`prompt` of them the prompt's) with a KV cache
     (adapted: the LoRA policy's adapted layers, None without LoRA; copies: the policy's trainable weights cast to
@@ -133,13 +133,13 @@ def _ppo_sampling(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, prompt: int,
                                "kept by autocast for the rollout", "transient"))
     merged = gathered = 0.0
     sharded = ps.strategy == "fsdp" and ps.world > 1
-    if sharded and gathers_for_sampling(cfg):
+    if sharded and gathers_for_sampling(run):
         gathered = causal_lm_params(a) * wb
         plan.items.append(Item("gathered policy", gathered, f"the whole policy × {wb} B, all-gathered once for "
                                "the phase (device.fsdp.gather_for_sampling)", "transient"))
     elif sharded:
         gathered = _sharded_units(plan, a, ps, causal_lm_params(a), "policy, every token")
-    elif adapted is not None and fast_paths_on(cfg, ps):
+    elif adapted is not None and fast_paths_on(run, ps):
         # the fast sampling loop (rlhf_cli.accel) samples on the LoRA merged into a copy of each adapted weight,
         # except on a CPU with adapted weights over CPU_MERGE_MAX_BYTES; stock generate() runs unmerged
         merged = adapted_weight_params(a, adapted) * wb
@@ -160,22 +160,24 @@ def _policy_copies(p, a: Arch, ps: Setup) -> float:
     return n * ps.compute_bytes
 
 
-def gathers_for_sampling(cfg) -> bool:
-    fsdp = cfg.device.get("fsdp") or {}
-    return bool(fsdp.get("gather_for_sampling", True))
+def gathers_for_sampling(run) -> bool:
+    """device.fsdp.gather_for_sampling; true where the settings hold no value (a config without the key)."""
+    fsdp = run.device.get("fsdp") or {}
+    value = fsdp.get("gather_for_sampling")
+    return True if value is None else bool(value)
 
 
-def fast_paths_on(cfg, s: Setup) -> bool:
+def fast_paths_on(run, s: Setup) -> bool:
     """Whether rlhf_cli.accel's speed paths run (device.fast_paths on this accelerator; never sharded)."""
     sharded = s.strategy == "fsdp" and s.world > 1
-    checkpointed = bool(cfg.ppo.get("activation_checkpointing", False))  # rlhf_cli.accel.configure turns them off
-    return not (sharded or checkpointed or s.quantization) and enabled(str(cfg.device.get("fast_paths") or "auto"), s.accelerator)
+    checkpointed = bool(run.ppo.get("activation_checkpointing", False))  # rlhf_cli.accel.configure turns them off
+    return not (sharded or checkpointed or s.quantization) and enabled(str(run.device.get("fast_paths") or "auto"), s.accelerator)
 
 
-def _ppo_scoring(plan: StagePlan, cfg, a: Arch, ps: Setup, f: int, seq: int, resp: int) -> None:
+def _ppo_scoring(plan: StagePlan, run, a: Arch, ps: Setup, f: int, seq: int, resp: int) -> None:
     """Rollout, step 2: scoring (reference / recomputed log-probs, values, reward), no gradients."""
     cb, V = ps.compute_bytes, a.vocab_size
-    recompute = recomputes_logprobs(cfg, ps)
+    recompute = recomputes_logprobs(run, ps)
     frv = f * resp * V
     extra = logit_temporaries(cb) if recompute else 8
     one_layer = f * seq * layer_working_bytes(a, cb)
@@ -232,19 +234,19 @@ def ppo_setup(s: Setup) -> Setup:
                    offload_optimizer=False, offload_params=False)
 
 
-def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
-    p = cfg.ppo
+def plan_ppo(run, a: Arch, s: Setup) -> StagePlan:
+    p = run.ppo
     plan = StagePlan("ppo")
     ps = ppo_setup(s)
     copies = _ppo_weights(plan, p, a, ps)
-    if _onednn_caches(cfg, a, ps):
+    if _onednn_caches(run, a, ps):
         plan.items.append(Item("oneDNN primitive caches", ONEDNN_CACHE_BYTES,
                                f"{ONEDNN_CACHE_CAPACITY} compiled products × 2 caches (device.cpu_matmul)"))
-    if not fast_paths_on(cfg, ps):
+    if not fast_paths_on(run, ps):
         plan.items.append(Item("stock code runtime", STOCK_RUNTIME_MIB * MiB, "generate()'s code and caches, "
                                "allocated at its first call, and the stock forwards' resident free blocks"))
     b, resp = int(p.per_device_train_batch_size), int(p.response_length)
-    prompt, prompt_note = prompt_tokens(cfg, s)
+    prompt, prompt_note = prompt_tokens(run, s)
     seq = prompt + resp
     plan.notes.append(f"sequence length {seq} tokens: prompt {prompt} ({prompt_note}) + response {resp} "
                       "(ppo.response_length)")
@@ -254,23 +256,23 @@ def plan_ppo(cfg, a: Arch, s: Setup) -> StagePlan:
     plan.items.append(Item("rollout buffer", buffer, f"{local_batch} episodes × {seq} tokens (ids, masks, "
                            "log-probs, values, rewards)"))
     adapted = lora_targets(p.lora.target_modules) if bool(p.lora.enabled) else None
-    _ppo_sampling(plan, cfg, a, ps, f, prompt, seq, adapted, _policy_copies(p, a, ps))
-    _ppo_scoring(plan, cfg, a, ps, f, seq, resp)
+    _ppo_sampling(plan, run, a, ps, f, prompt, seq, adapted, _policy_copies(p, a, ps))
+    _ppo_scoring(plan, run, a, ps, f, seq, resp)
     _ppo_training(plan, p, a, ps, seq, copies)
     if int(p.get("eval_every", 0) or 0) > 0:
-        _ppo_evaluation(plan, cfg, a, ps, prompt, adapted)
+        _ppo_evaluation(plan, run, a, ps, prompt, adapted)
     return plan
 
 
-def _ppo_evaluation(plan: StagePlan, cfg, a: Arch, ps: Setup, prompt: int, adapted: tuple | None) -> None:
+def _ppo_evaluation(plan: StagePlan, run, a: Arch, ps: Setup, prompt: int, adapted: tuple | None) -> None:
     """ppo.eval_every: held-out prompts sampled and scored in chunks of eval.batch_size (rlhf_cli.ppo.evaluation),
     each process taking its share of eval.num_prompts; the same two steps as a rollout at that chunk size."""
-    e = cfg.eval
+    e = run.eval
     f = max(1, min(int(e.batch_size), -(-int(e.num_prompts) // max(ps.world, 1))))
     resp = int(e.response_length)
     sub = StagePlan("ppo")
-    _ppo_sampling(sub, cfg, a, ps, f, prompt, prompt + resp, adapted, _policy_copies(cfg.ppo, a, ps))
-    _ppo_scoring(sub, cfg, a, ps, f, prompt + resp, resp)
+    _ppo_sampling(sub, run, a, ps, f, prompt, prompt + resp, adapted, _policy_copies(run.ppo, a, ps))
+    _ppo_scoring(sub, run, a, ps, f, prompt + resp, resp)
     total = max(sub.phases.values())
     plan.items.append(Item("evaluation (ppo.eval_every)", total, f"sampling and scoring {f} held-out prompts at a "
                            f"time (eval.batch_size) × {prompt + resp} tokens", "transient"))

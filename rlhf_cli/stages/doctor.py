@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from rlhf_cli import memory as M
+from rlhf_cli import settings
 from rlhf_cli.accel.limits import ONEDNN_AMD_FAMILY_FROM, ONEDNN_MIN_DIM, cpu_kind, onednn_by_default
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.tiny import is_tiny_spec
@@ -104,22 +105,22 @@ def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
 
 
-def tokenizer_dir(cfg) -> tuple[Path | None, str]:
+def tokenizer_dir(run) -> tuple[Path | None, str]:
     """(a local directory holding the tokenizer the stages use, or None, and why). Never downloads: the SFT
     output (what ppo tokenizes with) when it exists, else the base model - the tiny one is built here, as
     every stage builds it; a local directory as it is; a hub id only from the local caches."""
-    sft_out = Path(str(cfg.ppo.policy_dir)).expanduser()
+    sft_out = Path(str(run.ppo.policy_dir)).expanduser()
     if _has_tokenizer(sft_out):
         return sft_out, str(sft_out)
-    name = str(cfg.model.name_or_path)
+    name = str(run.model.name_or_path)
     if is_tiny_spec(name):
         from rlhf_cli.sources import base_model_dir
 
-        return base_model_dir(cfg), f"{cfg.model.tiny.dir} (the tiny base)"
+        return base_model_dir(run), f"{run.model.tiny.dir} (the tiny base)"
     local = Path(name).expanduser()
     if local.is_dir():
         return (local, str(local)) if _has_tokenizer(local) else (None, f"{local} has no tokenizer files")
-    for d in M.cached_model_dirs(name, cfg.model.cache_dir):
+    for d in M.cached_model_dirs(name, run.model.cache_dir):
         if _has_tokenizer(d):
             return d, str(d)
     return None, (f"no tokenizer of {name} on this machine (not in the local hub caches; the doctor "
@@ -138,7 +139,7 @@ def _sample(examples: list, n: int) -> list:
     return examples if len(examples) <= n else random.Random(0).sample(examples, n)
 
 
-def data_lengths(cfg) -> M.Lengths:
+def data_lengths(run) -> M.Lengths:
     """Token lengths of the training data as the stages render it (prompt: chat template + assistant header;
     rows: prompt + answer + EOS), tokenized with the model's tokenizer; the prompts longer than
     data.max_prompt_length are left out, as the stages drop them. Lengths() with the reason when the data or
@@ -148,7 +149,7 @@ def data_lengths(cfg) -> M.Lengths:
     a run the batches meet the longest rows of the data."""
     from rlhf_cli import data as D
 
-    d = cfg.data
+    d = run.data
     if not d.train_path:
         return M.Lengths(source="no data: data.train_path is not set")
     for key in ("train_path", "eval_path"):
@@ -159,17 +160,17 @@ def data_lengths(cfg) -> M.Lengths:
     from rlhf_cli.models import load_tokenizer
 
     try:
-        tok_dir, where = tokenizer_dir(cfg)
+        tok_dir, where = tokenizer_dir(run)
         if tok_dir is None:
             return M.Lengths(source=f"data not tokenized: {where}")
-        tok = load_tokenizer(tok_dir, cfg.model)
+        tok = load_tokenizer(tok_dir, run.model)
         train, evals = D.load_examples(d, need_rejected=False, need_answers=False)
     except (RlhfError, OSError, ValueError) as e:  # a broken tokenizer directory or data file: report, go on
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         return M.Lengths(source=f"data not read: {first}")
     n_train = len(train)
     train, evals = _sample(train, SAMPLE_ROWS), _sample(evals, SAMPLE_ROWS)
-    thinking, templ = bool(cfg.model.enable_thinking), bool(d.chat_template)
+    thinking, templ = bool(run.model.enable_thinking), bool(d.chat_template)
     cap = int(d.max_prompt_length)
 
     def rendered(examples):
@@ -196,11 +197,11 @@ def data_lengths(cfg) -> M.Lengths:
     return M.Lengths(prompt=max(prompt_lens), sft=max(sft), reward=max(chosen + rejected), source=source)
 
 
-def _capacity(cfg, s: M.Setup, dev: dict) -> tuple[float | None, str]:
+def _capacity(run, s: M.Setup, dev: dict) -> tuple[float | None, str]:
     """Memory one process may use, and where the figure comes from."""
-    gib = cfg.doctor.memory_gib
-    if gib:
-        return float(gib) * M.GiB, f"doctor.memory_gib={gib}"
+    gib = run.doctor.memory_gib
+    if gib:  # as given: doctor.memory_gib=16, not the float 16.0 the setting holds
+        return float(gib) * M.GiB, f"doctor.memory_gib={int(gib) if float(gib).is_integer() else gib}"
     if s.accelerator == "cuda":
         if dev["gpus"]:
             g = min(dev["gpus"], key=lambda x: x["total"])
@@ -221,14 +222,14 @@ def _verdict(plan: M.StagePlan, cap: float | None) -> str:
            f"({100 * plan.peak / cap:.0f}%)"
 
 
-def _machine_lines(cfg) -> tuple[list[str], dict]:
+def _machine_lines(run) -> tuple[list[str], dict]:
     """Versions, devices and hub reachability (the hubs are asked while torch is imported), and the devices."""
-    timeout = float(cfg.doctor.timeout_s)
+    timeout = float(run.doctor.timeout_s)
     hub_thread_result: dict = {}
     hub_thread = threading.Thread(target=lambda: hub_thread_result.update(reachability(timeout)), daemon=True)
     hub_thread.start()
     v = versions()
-    lines = [f"rlhf doctor: recipe {cfg.recipe}, device {cfg.device.name}", "versions"]
+    lines = [f"rlhf doctor: recipe {run.recipe}, device {run.device.name}", "versions"]
     lines.append("  " + ", ".join(f"{k} {val}" for k, val in v.items() if val) +
                  "".join(f"; {k} not installed" for k, val in v.items() if not val))
     dev = devices()
@@ -245,8 +246,8 @@ def _machine_lines(cfg) -> tuple[list[str], dict]:
             None: "bf16 units unknown"}[dev.get("cpu_bf16")]
     lines.append(f"  CPU: {dev['cpu_count']} cores ({dev.get('cpu_capability', '?')}, {bf16}), RAM "
                  f"{M.fmt_bytes(dev['ram_available'])} available of {M.fmt_bytes(dev['ram_total'])}")
-    if str(cfg.device.get("accelerator")) == "cpu":
-        lines.append(f"  {cpu_kind()}: PPO's fp32 linear layers run on {cpu_matmul_kernel(cfg)}")
+    if str(run.device.get("accelerator")) == "cpu":
+        lines.append(f"  {cpu_kind()}: PPO's fp32 linear layers run on {cpu_matmul_kernel(run)}")
     hub_thread.join(timeout + 0.5)
     lines.append(f"hubs (one connection each, {timeout:g} s timeout)")
     for name in _hosts():
@@ -254,9 +255,10 @@ def _machine_lines(cfg) -> tuple[list[str], dict]:
     return lines, dev
 
 
-def cpu_matmul_kernel(cfg) -> str:
-    """Which kernels PPO's fp32 linear layers take on this CPU under `cfg` (rlhf_cli.accel.cpu_linear), and why."""
-    d = cfg.device
+def cpu_matmul_kernel(run) -> str:
+    """Which kernels PPO's fp32 linear layers take on this CPU with the run's settings `run` (rlhf_cli.accel.cpu_linear),
+    and why."""
+    d = run.device
     mode = str(d.get("cpu_matmul") or "auto")
     if str(d.get("fast_paths")) == "off":
         return "torch's BLAS (device.fast_paths=off)"
@@ -270,11 +272,11 @@ def cpu_matmul_kernel(cfg) -> str:
     return f"torch's BLAS (device.cpu_matmul={mode})"
 
 
-def _stage_lines(cfg, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -> list[str]:
+def _stage_lines(run, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -> list[str]:
     """One stage's plan, whether it fits, and what to change when it does not."""
     if stage not in M.PLANNERS:
         raise RlhfError(f"doctor.stages: {stage} has no memory plan; choose from {', '.join(M.PLANNERS)}")
-    plan = M.plan_stage(cfg, stage, arch, s)
+    plan = M.plan_stage(run, stage, arch, s)
     lines = M.format_plan(plan)
     if stage == "ppo" and s.strategy == "deepspeed":
         lines.append("    note: ppo runs under ddp or fsdp, not DeepSpeed; this plan is its ddp plan")
@@ -284,7 +286,7 @@ def _stage_lines(cfg, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -
     need = cap if cap is not None else (M.GiB * COMMON_GPU_GIB[1] if s.accelerator == "cuda" else None)
     if need is not None and plan.peak > need:
         label = "to fit" + (" a 24 GiB GPU" if cap is None else "")
-        singles, combo = M.remedies(cfg, stage, arch, s, need)
+        singles, combo = M.remedies(run, stage, arch, s, need)
         if singles:
             lines.append(f"    {label}, any of: " + "; ".join(f"{what} -> {M.fmt_bytes(p.peak)}"
                                                             for what, p in singles[:4]))
@@ -296,14 +298,15 @@ def _stage_lines(cfg, stage: str, arch: M.Arch, s: M.Setup, cap: float | None) -
     return lines
 
 
-def report(cfg) -> str:
-    lines, dev = _machine_lines(cfg)
+def report(run) -> str:
+    """The doctor's report for the run's settings `run` (rlhf_cli.settings.of)."""
+    lines, dev = _machine_lines(run)
     try:
-        arch, source = M.arch_for_model(cfg.model)
+        arch, source = M.arch_for_model(run.model)
     except ValueError as e:
         raise RlhfError(str(e)) from None
-    s = M.setup_from(cfg, len(dev["gpus"]), data_lengths(cfg))
-    lines.append(f"model {cfg.model.name_or_path} (values from {source})")
+    s = M.setup_from(run, len(dev["gpus"]), data_lengths(run))
+    lines.append(f"model {run.model.name_or_path} (values from {source})")
     lines.append(f"  vocab {arch.vocab_size}, hidden {arch.hidden_size}, {arch.num_hidden_layers} layers, "
                  f"{arch.num_attention_heads} heads / {arch.num_key_value_heads} kv heads × {arch.head_dim}, "
                  f"intermediate {arch.intermediate_size}, {'tied' if arch.tie_word_embeddings else 'untied'} "
@@ -311,17 +314,17 @@ def report(cfg) -> str:
                  f"({M.seq_cls_params(arch) / 1e6:.1f}M as a reward / value model)")
     where = f"{s.per_machine} process(es) per machine × {s.world // max(s.per_machine, 1)} machine(s)"
     zero = f", ZeRO-{s.zero_stage}" if s.zero_stage else ""
-    lines.append(f"memory plan per process: device {cfg.device.name} ({s.strategy}{zero}), {where}")
+    lines.append(f"memory plan per process: device {run.device.name} ({s.strategy}{zero}), {where}")
     lines.append(f"  precision: frozen weights in {s.dtype_name} (model.dtype), compute {s.compute_name} "
                  "(device.mixed_precision); trainable weights, gradients and AdamW states in fp32")
     lines.append(f"  sequence lengths: {s.lengths.source}" if s.lengths.prompt is not None else
                  f"  sequence lengths: the configured maxima ({s.lengths.source})")
-    cap, cap_src = _capacity(cfg, s, dev)
+    cap, cap_src = _capacity(run, s, dev)
     lines.append(f"  against: {cap_src}")
-    for stage in cfg.doctor.stages:
-        lines += _stage_lines(cfg, str(stage), arch, s, cap)
+    for stage in run.doctor.stages:
+        lines += _stage_lines(run, str(stage), arch, s, cap)
     return "\n".join(lines)
 
 
 def run(cfg) -> None:
-    print(report(cfg))
+    print(report(settings.of(cfg)))
