@@ -26,23 +26,19 @@ from rlhf_cli.errors import RlhfError
 BACKENDS = REPORT_TO  # logging.report_to
 
 
-_MISSING = object()
-
-
-def _logging(cfg, *path: str, default=None):
-    """`logging.<path>` of the composed config or its typed view (rlhf_cli.settings); `default` where the config
-    does not hold it."""
-    node = cfg.get("logging")
+def _logging(run, *path: str, default=None):
+    """`logging.<path>` of the run's settings (rlhf_cli.settings.of); `default` where they hold no value (a view
+    holds None for a key the config lacks: an older conf/ without the logging group)."""
+    node = run.get("logging")
     for name in path:
-        node = node.get(name, _MISSING) if node is not None else _MISSING
-        if node is _MISSING:
-            return default
-    return node
+        node = node.get(name) if node is not None else None
+    return default if node is None else node
 
 
-def report_to(cfg) -> list[str]:
-    """`logging.report_to` as a list ([tensorboard] when the config has no logging group: an older conf/)."""
-    value = _logging(cfg, "report_to", default=["tensorboard"])
+def report_to(run) -> list[str]:
+    """`logging.report_to` of the run's settings as a list ([tensorboard] when the config has no logging group: an
+    older conf/)."""
+    value = _logging(run, "report_to", default=["tensorboard"])
     backends = [value] if isinstance(value, str) else list(value or [])
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -58,13 +54,13 @@ def require_wandb() -> None:
                         "(logging.report_to=[tensorboard])")
 
 
-def run_name(cfg) -> str:
+def run_name(run) -> str:
     """`logging.wandb.name`, else `<recipe>-<command>`, and in a multirun the job's directory name
     (`tiny-sft-1_sft.learning_rate=0.0003`), so that the jobs of a sweep tell apart."""
-    name = _logging(cfg, "wandb", "name")
+    name = _logging(run, "wandb", "name")
     if name:
         return str(name)
-    name = f"{cfg.recipe}-{cfg.command}"
+    name = f"{run.recipe}-{run.command}"
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -76,14 +72,14 @@ def run_name(cfg) -> str:
     return name
 
 
-def wandb_settings(cfg) -> dict:
+def wandb_settings(run) -> dict:
     """wandb.init's project, entity, name, group, mode and dir from `logging.wandb` (None: wandb decides, from
     its WANDB_* environment or its defaults). The directory is made absolute and created: wandb falls back to
     a temporary one when it is missing."""
-    w = _logging(cfg, "wandb") or {}
-    directory = Path(str(w.get("dir") or cfg.run_dir)).expanduser().resolve()
+    w = _logging(run, "wandb") or {}
+    directory = Path(str(w.get("dir") or run.run_dir)).expanduser().resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    return {"project": w.get("project") or "rlhf", "entity": w.get("entity"), "name": run_name(cfg),
+    return {"project": w.get("project") or "rlhf", "entity": w.get("entity"), "name": run_name(run),
             "group": w.get("group"), "mode": w.get("mode"), "dir": str(directory)}
 
 
@@ -95,13 +91,13 @@ def wandb_env(settings: dict) -> dict[str, str]:
     return {env: str(settings[key]) for key, env in names.items() if settings.get(key) is not None}
 
 
-def trainer_report_to(cfg) -> list[str]:
+def trainer_report_to(run) -> list[str]:
     """`report_to` for trl's SFTConfig / RewardConfig ([] logs nowhere). With wandb in it: checks that wandb
-    is installed and exports the run's settings for the trainer's WandbCallback."""
-    backends = report_to(cfg)
+    is installed and exports the run's settings (`run`: rlhf_cli.settings.of) for the trainer's WandbCallback."""
+    backends = report_to(run)
     if "wandb" in backends:
         require_wandb()
-        os.environ.update(wandb_env(wandb_settings(cfg)))
+        os.environ.update(wandb_env(wandb_settings(run)))
     return backends
 
 
@@ -153,12 +149,13 @@ class Writer:
             self._hooks = None
 
 
-def make_writer(cfg, log_dir: str | Path, is_main: bool) -> Writer:
-    """The PPO loop's metric writer: TensorBoard events in `log_dir` and/or a wandb run, as
-    `logging.report_to` says, on the main process only (the others get a Writer that does nothing)."""
+def make_writer(run, log_dir: str | Path, is_main: bool, *, composed) -> Writer:
+    """The PPO loop's metric writer: TensorBoard events in `log_dir` and/or a wandb run, as `logging.report_to`
+    of the run's settings (`run`: rlhf_cli.settings.of) says, on the main process only (the others get a Writer
+    that does nothing). `composed`: the composed config itself (a DictConfig), the wandb run's config."""
     if not is_main:
         return Writer()
-    backends = report_to(cfg)
+    backends = report_to(run)
     if "wandb" in backends:
         require_wandb()
     tensorboard = wandb_run = hooks = None
@@ -169,9 +166,9 @@ def make_writer(cfg, log_dir: str | Path, is_main: bool) -> Writer:
     if "wandb" in backends:
         import wandb
 
-        settings = {k: v for k, v in wandb_settings(cfg).items() if v is not None}
+        settings = {k: v for k, v in wandb_settings(run).items() if v is not None}
         hooks = (sys.exit, sys.excepthook)
-        wandb_run = wandb.init(config=_config_dict(cfg), **settings)
+        wandb_run = wandb.init(config=_config_dict(composed), **settings)
     return Writer(tensorboard, wandb_run, hooks)
 
 

@@ -245,31 +245,34 @@ def wandb_offline(tmp_path, monkeypatch):
 def test_report_to_defaults_to_tensorboard_only(monkeypatch):
     from rlhf_cli import tracking
     from rlhf_cli.config import compose
+    from rlhf_cli.settings import of
 
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
-    assert tracking.trainer_report_to(compose("sft")) == ["tensorboard"]
+    assert tracking.trainer_report_to(of(compose("sft"))) == ["tensorboard"]
     assert "WANDB_PROJECT" not in os.environ
-    assert tracking.trainer_report_to(compose("sft", ["logging.report_to=[]"])) == []
-    assert not tracking.make_writer(compose("ppo"), "unused", is_main=False).enabled
+    assert tracking.trainer_report_to(of(compose("sft", ["logging.report_to=[]"]))) == []
+    assert not tracking.make_writer(of(compose("ppo")), "unused", is_main=False, composed=compose("ppo")).enabled
 
 
 def test_wandb_not_installed_is_a_one_line_error(monkeypatch):
     from rlhf_cli import tracking
     from rlhf_cli.config import compose
+    from rlhf_cli.settings import of
     from rlhf_cli.errors import RlhfError
 
     monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RlhfError, match=r"wandb is not installed: pip install 'rlhf-cli\[wandb\]'"):
-        tracking.trainer_report_to(compose("sft", ["logging.report_to=[tensorboard,wandb]"]))
+        tracking.trainer_report_to(of(compose("sft", ["logging.report_to=[tensorboard,wandb]"])))
 
 
 def test_trainer_report_to_passes_the_wandb_settings_by_environment(wandb_offline):
     from rlhf_cli import tracking
     from rlhf_cli.config import compose
+    from rlhf_cli.settings import of
 
     cfg = compose("reward", ["logging.report_to=[tensorboard,wandb]", f"logging.wandb.dir={wandb_offline}",
                              "logging.wandb.project=p1"])
-    assert tracking.trainer_report_to(cfg) == ["tensorboard", "wandb"]
+    assert tracking.trainer_report_to(of(cfg)) == ["tensorboard", "wandb"]
     assert os.environ["WANDB_PROJECT"] == "p1"
     assert os.environ["WANDB_NAME"] == "tiny-reward"
     assert os.environ["WANDB_RUN_GROUP"] == "tiny"
@@ -281,10 +284,11 @@ def test_trainer_report_to_passes_the_wandb_settings_by_environment(wandb_offlin
 def test_ppo_writer_logs_tensorboard_and_wandb_offline(wandb_offline):
     from rlhf_cli import tracking
     from rlhf_cli.config import compose
+    from rlhf_cli.settings import of
 
     cfg = compose("ppo", ["logging.report_to=[tensorboard,wandb]", f"logging.wandb.dir={wandb_offline}"])
     hooks = (sys.exit, sys.excepthook)
-    writer = tracking.make_writer(cfg, wandb_offline / "tb", is_main=True)
+    writer = tracking.make_writer(of(cfg), wandb_offline / "tb", is_main=True, composed=cfg)
     assert writer.enabled and writer.wandb_run is not None
     assert writer.wandb_run.name == "tiny-ppo"
     assert writer.wandb_run.config["ppo"]["kl_coef"] == cfg.ppo.kl_coef  # the composed config is the run's

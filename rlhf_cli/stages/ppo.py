@@ -89,7 +89,7 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     # the record a resume compares, the resume, then TensorBoard / wandb (a refused resume writes nothing)
     trainer.run_record = {**resume.ppo_record(cfg), **resume.model_identities(cfg, "ppo")}
     _resume(trainer, p.resume, work)
-    writer = trainer.writer = make_writer(cfg, work / "tensorboard", acc.is_main_process)
+    writer = trainer.writer = make_writer(typed, work / "tensorboard", acc.is_main_process, composed=cfg)
     describe_run(c, sizes, acc.num_processes, models.value_source, storage, compute, recompute)
     if evaluator is not None:
         log.info("ppo: every %d updates and after the last, %d held-out prompts sampled with the eval settings "
