@@ -19,7 +19,7 @@ import threading
 
 from omegaconf import OmegaConf
 
-from rlhf_cli import data, hints, launch, quantization, run_logs, schema, supervise
+from rlhf_cli import data, hints, launch, quantization, run_logs, schema, settings, supervise
 from rlhf_cli.config import (
     COMMANDS,
     CONF_DIR,
@@ -201,10 +201,11 @@ def run_stage(cfg) -> dict | None:
                 OmegaConf.update(cfg, output[0], output[1], merge=False)
             schema.validate(cfg)  # every key's type and range, once, before launching or building anything
             schema.check_inputs(cfg)
-            quantization.check(cfg)  # a quantized full fine-tune, before any model is fetched
+            typed = settings.of(cfg)  # the checks read the typed settings; the stage builds its own from `cfg`
+            quantization.check(typed)  # a quantized full fine-tune, before any model is fetched
             if command in NEEDS_DATA:
                 data.check_files(cfg.data)  # before the stage's imports, which take seconds
-                data.check_held_out(cfg)
+                data.check_held_out(typed)
             started = True
             rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:

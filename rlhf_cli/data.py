@@ -115,12 +115,13 @@ _HELD_OUT_USE = {"sft": "rlhf sft measures its eval loss on them", "reward": "rl
                  "ppo": "ppo.eval_every evaluates on them (ppo.eval_every=0 turns that off)"}
 
 
-def check_held_out(cfg) -> None:
-    """`data.eval_ratio=0` without `data.eval_path` holds no rows out: one line where the command needs them."""
-    d, command = cfg.data, str(cfg.command)
+def check_held_out(run) -> None:
+    """`data.eval_ratio=0` without `data.eval_path` holds no rows out: one line where the command needs them
+    (`run`: the run's settings, rlhf_cli.settings.of)."""
+    d, command = run.data, str(run.command)
     if d.get("eval_path") or float(d.get("eval_ratio") or 0) > 0 or command not in _HELD_OUT_USE:
         return
-    if command == "ppo" and not int(cfg.ppo.eval_every):
+    if command == "ppo" and not int(run.ppo.eval_every):
         return
     raise RlhfError(f"data.eval_ratio=0 holds no rows out, and {_HELD_OUT_USE[command]}: give data.eval_path, or "
                     "data.eval_ratio above 0")

@@ -17,21 +17,21 @@ from rlhf_cli.precision import autocast_dtype, precision, storage_dtype
 log = logging.getLogger("rlhf")
 
 
-def setup_torch(cfg) -> None:
-    """Thread count and seeds, first thing in every stage (two threads per process on a busy 2-core box can
-    run 20x slower than one, so the count is explicit)."""
-    if str(cfg.device.accelerator) == "cuda" and not torch.cuda.is_available():
-        name = str(cfg.device.get("name", "cuda"))
+def setup_torch(run) -> None:
+    """Thread count and seeds from the run's settings (`run`: rlhf_cli.settings.of), first thing in every stage
+    (two threads per process on a busy 2-core box can run 20x slower than one, so the count is explicit)."""
+    if str(run.device.accelerator) == "cuda" and not torch.cuda.is_available():
+        name = str(run.device.get("name") or "cuda")
         cpu = "cpu-ddp" if name == "ddp" else "cpu"
         raise RlhfError(f"device={name} needs a CUDA GPU, but torch sees none (torch {torch.__version__}); use "
                         f"device={cpu}, or install a CUDA build of torch")
-    threads = int(cfg.device.get("threads") or 0)
+    threads = int(run.device.get("threads") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    if str(cfg.device.accelerator) == "cuda":
+    if str(run.device.accelerator) == "cuda":
         setup_cuda()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    seed = int(cfg.seed)
+    seed = int(run.seed)
     random.seed(seed)
     torch.manual_seed(seed)
     import datasets
@@ -86,12 +86,13 @@ def resolve_compute_dtype(name: str | None, accelerator: str) -> torch.dtype | N
     return None if compute is None else getattr(torch, compute)
 
 
-def resolve_precision(cfg) -> tuple[torch.dtype, torch.dtype | None]:
+def resolve_precision(run) -> tuple[torch.dtype, torch.dtype | None]:
     """(storage dtype of frozen weights from `model.dtype`, compute dtype from `device.mixed_precision`, None
-    for fp32), by the rule of rlhf_cli.precision, with this machine's CUDA and CPU."""
-    acc = str(cfg.device.accelerator)
+    for fp32) of the run's settings (`run`: rlhf_cli.settings.of), by the rule of rlhf_cli.precision, with this
+    machine's CUDA and CPU."""
+    acc = str(run.device.accelerator)
     cuda_bf16 = cuda_bf16_native(acc)
-    p = precision(cfg.model.dtype, cfg.device.get("mixed_precision"), acc, cuda_bf16=cuda_bf16,
+    p = precision(run.model.dtype, run.device.get("mixed_precision"), acc, cuda_bf16=cuda_bf16,
                   cpu_bf16=cpu_bf16_native() if acc == "cpu" else None)
     if p.slow_cpu_bf16:
         cap = torch.backends.cpu.get_cpu_capability()

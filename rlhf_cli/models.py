@@ -96,20 +96,21 @@ def refuse_pickle(path) -> None:
                         "and save_pretrained(dir, safe_serialization=True)")
 
 
-def quantization_config(cfg):
-    """The one `BitsAndBytesConfig` of `model.quantization` (None: none): 4bit = nf4, 8bit = LLM.int8(); the
-    4-bit blocks are dequantized for each matmul in the run's compute dtype (`device.mixed_precision`; fp32
-    without autocast). Which models load with it: rlhf_cli.quantization."""
+def quantization_config(run):
+    """The one `BitsAndBytesConfig` of `model.quantization` of the run's settings (`run`: rlhf_cli.settings.of;
+    None: none): 4bit = nf4, 8bit = LLM.int8(); the 4-bit blocks are dequantized for each matmul in the run's
+    compute dtype (`device.mixed_precision`; fp32 without autocast). Which models load with it:
+    rlhf_cli.quantization."""
     from rlhf_cli.quantization import mode
 
-    q = mode(cfg.model)
+    q = mode(run.model)
     if q is None:
         return None
     from transformers import BitsAndBytesConfig
 
     if q == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    compute = resolve_precision(cfg)[1] or torch.float32
+    compute = resolve_precision(run)[1] or torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
 
 

@@ -61,15 +61,16 @@ def command_line_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def sft_floor(cfg, steps_per_epoch: int, overrides: list[str] | None = None) -> int | None:
+def sft_floor(run, steps_per_epoch: int, overrides: list[str] | None = None) -> int | None:
     """The SFT epochs that give at least SFT_MIN_STEPS optimizer steps, where they apply: the tiny model, a user's
     file, and neither sft.num_train_epochs nor sft.max_steps set (on the command line or away from their defaults:
-    1 epoch, no step cap). None where they do not apply or one epoch already has the steps."""
+    1 epoch, no step cap). None where they do not apply or one epoch already has the steps. `run`: the run's
+    settings (rlhf_cli.settings.of)."""
     from rlhf_cli.tiny import is_tiny_spec
 
-    s = cfg.sft
+    s = run.sft
     given = explicit_keys(command_line_overrides() if overrides is None else overrides)
-    if (not is_tiny_spec(str(cfg.model.name_or_path)) or user_train_file(cfg.data) is None
+    if (not is_tiny_spec(str(run.model.name_or_path)) or user_train_file(run.data) is None
             or {"sft.num_train_epochs", "sft.max_steps"} & given or int(s.max_steps) > 0
             or float(s.num_train_epochs) != 1):
         return None
@@ -77,7 +78,7 @@ def sft_floor(cfg, steps_per_epoch: int, overrides: list[str] | None = None) -> 
     if epochs <= 1:
         return None
     log.info("sft: %d steps per epoch on %s; training %d epochs (%d steps, the tiny model's floor of %d for your "
-             "own data; sft.num_train_epochs or sft.max_steps sets it)", steps_per_epoch, cfg.data.train_path,
+             "own data; sft.num_train_epochs or sft.max_steps sets it)", steps_per_epoch, run.data.train_path,
              epochs, epochs * steps_per_epoch, SFT_MIN_STEPS)
     return epochs
 

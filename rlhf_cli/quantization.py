@@ -36,19 +36,20 @@ def mode(model_cfg) -> str | None:
     return None if q == "none" else q
 
 
-def check(cfg) -> None:
-    """Refuse, before any model loads, what a quantized run cannot do: train every weight of the policy, shard
-    bitsandbytes weights, or run without bitsandbytes installed."""
-    q = mode(cfg.get("model"))
-    command = str(cfg.get("command") or "")
+def check(run) -> None:
+    """Refuse, before any model loads, what a quantized run cannot do (`run`: the run's settings,
+    rlhf_cli.settings.of): train every weight of the policy, shard bitsandbytes weights, or run without
+    bitsandbytes installed."""
+    q = mode(run.get("model"))
+    command = str(run.get("command") or "")
     if q is None or command not in (*LORA_KEYS, "reward", "eval"):
         return
     key = LORA_KEYS.get(command)
-    if key is not None and not bool(cfg[command].lora.enabled):
+    if key is not None and not bool(run[command].lora.enabled):
         raise RlhfError(f"model.quantization={q} stores frozen weights only, but {key}=false trains every weight "
                         f"of the policy; set {key}=true (QLoRA: a LoRA adapter on the {q} base) or "
                         "model.quantization=none")
-    strategy = str(cfg.device.get("strategy") or "single")
+    strategy = str(run.device.get("strategy") or "single")
     if strategy in ("fsdp", "deepspeed"):
         raise RlhfError(f"model.quantization={q} cannot be used with device.strategy={strategy} (bitsandbytes "
                         "weights are not sharded here); use one process or device=ddp, or model.quantization=none")

@@ -12,13 +12,14 @@ from rlhf_cli.errors import RlhfError
 log = logging.getLogger("rlhf")
 
 
-def base_model_dir(cfg) -> Path:
-    """The base model directory: the embedded tiny model (built on first use; its tokenizer trained on the user's
-    data file where one is given, else on the demo's), a local dir, or a hub id."""
+def base_model_dir(run) -> Path:
+    """The base model directory of the run's settings (`run`: rlhf_cli.settings.of): the embedded tiny model
+    (built on first use; its tokenizer trained on the user's data file where one is given, else on the demo's), a
+    local dir, or a hub id."""
     from rlhf_cli import tiny
     from rlhf_cli.own_data import tokenizer_texts
 
-    m = cfg.model
+    m = run.model
     if tiny.is_tiny_spec(str(m.name_or_path)):
         t = m.tiny
         return tiny.build_tiny_base(t.dir, seed=int(t.seed), vocab_size=int(t.vocab_size),
@@ -27,7 +28,7 @@ def base_model_dir(cfg) -> Path:
                                     num_attention_heads=int(t.num_attention_heads),
                                     num_key_value_heads=int(t.num_key_value_heads), head_dim=int(t.head_dim),
                                     embedding_rows=int(t.embedding_rows) if t.get("embedding_rows") else None,
-                                    texts=tokenizer_texts(cfg.data) if cfg.get("data") is not None else None)
+                                    texts=tokenizer_texts(run.data) if run.get("data") is not None else None)
     return resolve_model_source(str(m.name_or_path), hub=m.hub, revision=m.revision, cache_dir=m.cache_dir,
                                 offline=bool(m.offline))
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from rlhf_cli import learned, own_data
 from rlhf_cli.config import PACKAGE_DIR, register_resolvers
+from rlhf_cli.settings import of
 from rlhf_cli.tiny import MARKER_FILE, build_tiny_base
 
 DEMO = str(PACKAGE_DIR / "demo/data/polite_train.jsonl")
@@ -87,8 +88,8 @@ def test_the_demo_base_is_built_as_before(tmp_path):
 # ----------------------------------------------------------------------------------------------- SFT floor
 def test_sft_floor_gives_the_tiny_model_enough_steps_on_own_data(tmp_path):
     f = write_rows(tmp_path / "mine.jsonl")
-    assert own_data.sft_floor(sft_cfg(f), 24, []) == -(-own_data.SFT_MIN_STEPS // 24)
-    assert own_data.sft_floor(sft_cfg(f), own_data.SFT_MIN_STEPS, []) is None  # one epoch is enough
+    assert own_data.sft_floor(of(sft_cfg(f)), 24, []) == -(-own_data.SFT_MIN_STEPS // 24)
+    assert own_data.sft_floor(of(sft_cfg(f)), own_data.SFT_MIN_STEPS, []) is None  # one epoch is enough
 
 
 @pytest.mark.parametrize("cfg_kw, overrides", [
@@ -102,7 +103,7 @@ def test_sft_floor_gives_the_tiny_model_enough_steps_on_own_data(tmp_path):
 def test_sft_floor_leaves_explicit_settings_alone(tmp_path, cfg_kw, overrides):
     f = write_rows(tmp_path / "mine.jsonl")
     kw = {"train_path": cfg_kw.pop("train_path", f), "model": cfg_kw.pop("model", "tiny"), **cfg_kw}
-    assert own_data.sft_floor(sft_cfg(**kw), 24, overrides) is None
+    assert own_data.sft_floor(of(sft_cfg(**kw)), 24, overrides) is None
 
 
 def test_steps_per_epoch_counts_batch_accumulation_and_processes(monkeypatch):

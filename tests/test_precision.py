@@ -63,10 +63,11 @@ def test_the_stages_and_the_doctor_apply_the_same_rule():
     from rlhf_cli import memory as M
     from rlhf_cli.config import compose
     from rlhf_cli.hardware import resolve_precision
+    from rlhf_cli.settings import of
 
     for ov in ([], ["model.dtype=bfloat16"], ["device.mixed_precision=bf16"], ["model.dtype=float16"]):
         cfg = compose("ppo", ov)
-        storage, compute = resolve_precision(cfg)
+        storage, compute = resolve_precision(of(cfg))
         s = M.setup_from(cfg)
         assert str(storage).removeprefix("torch.") == s.dtype_name
         assert s.compute_name == {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[compute]

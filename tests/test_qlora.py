@@ -14,6 +14,7 @@ from rlhf_cli import memory as M
 from rlhf_cli import quantization
 from rlhf_cli.config import compose
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.settings import of
 
 SFT_STEP = ["device.threads=1", "model.quantization=4bit", "sft.lora.enabled=true", "sft.max_steps=2",
             "sft.eval_steps=100", "sft.per_device_train_batch_size=4", "sft.per_device_eval_batch_size=8",
@@ -33,7 +34,7 @@ def quantized(model) -> set[str]:
 def test_a_quantized_full_fine_tune_is_refused_naming_the_lora_key(command):
     cfg = compose(command, ["model.quantization=4bit", f"{command}.lora.enabled=false"])
     with pytest.raises(RlhfError) as e:
-        quantization.check(cfg)
+        quantization.check(of(cfg))
     msg = str(e.value)
     assert "model.quantization=4bit" in msg and f"{command}.lora.enabled=true" in msg
     assert "model.quantization=none" in msg and "\n" not in msg
@@ -44,20 +45,20 @@ def test_lora_stages_and_reward_pass_the_check():
     bnb()
     for command, args in (("sft", ["sft.lora.enabled=true"]), ("dpo", ["dpo.lora.enabled=true"]), ("ppo", []),
                           ("reward", []), ("eval", [])):
-        quantization.check(compose(command, ["model.quantization=8bit", *args]))
+        quantization.check(of(compose(command, ["model.quantization=8bit", *args])))
     quantization.check(compose("sft", ["model.quantization=none"]))  # a full fine-tune, unquantized
     recipe = compose("sft", ["recipe=tiny-qlora"])  # make chain-qlora's SFT: QLoRA, the embedding trained whole
-    quantization.check(recipe)
+    quantization.check(of(recipe))
     assert recipe.model.quantization == "4bit" and recipe.sft.lora.enabled
     assert list(recipe.sft.lora.modules_to_save) == ["lm_head"]
 
 
 def test_sharding_and_a_missing_bitsandbytes_are_one_line(monkeypatch):
     with pytest.raises(RlhfError, match="device.strategy=fsdp"):
-        quantization.check(compose("ppo", ["model.quantization=4bit", "device=fsdp"]))
+        quantization.check(of(compose("ppo", ["model.quantization=4bit", "device=fsdp"])))
     monkeypatch.setattr(quantization.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RlhfError, match=r"pip install 'rlhf-cli\[qlora\]'"):
-        quantization.check(compose("ppo", ["model.quantization=4bit"]))
+        quantization.check(of(compose("ppo", ["model.quantization=4bit"])))
 
 
 def test_sft_refuses_a_full_fine_tune_of_a_4bit_model_before_loading(run_cli, tmp_path):
@@ -101,7 +102,7 @@ def test_doctor_bytes_match_what_bitsandbytes_holds(base):
     from rlhf_cli.models import load_causal_lm, quantization_config
 
     cfg = compose("ppo", ["model.quantization=4bit"])
-    model = load_causal_lm(base, torch.float32, cfg.model, quantization_config(cfg))
+    model = load_causal_lm(base, torch.float32, cfg.model, quantization_config(of(cfg)))
     held = 0
     for m in model.modules():
         if type(m).__name__ == "Linear4bit":
@@ -146,7 +147,7 @@ def test_8bit_loads_int8_layers_that_run_on_the_cpu(base, tok):
     from rlhf_cli.models import load_causal_lm, quantization_config
 
     cfg = compose("ppo", ["model.quantization=8bit"])
-    model = load_causal_lm(base, torch.float32, cfg.model, quantization_config(cfg))
+    model = load_causal_lm(base, torch.float32, cfg.model, quantization_config(of(cfg)))
     assert quantized(model) == {"Linear8bitLt"}
     with torch.no_grad():
         assert torch.isfinite(model(tok(["hello"], return_tensors="pt")["input_ids"]).logits).all()
@@ -161,7 +162,7 @@ def test_a_4bit_policy_samples_and_scores_with_the_same_forward(base, tok):
     from rlhf_cli.models import load_policy, lora_config, quantization_config
 
     cfg = compose("ppo", ["model.quantization=4bit"])
-    policy = get_peft_model(load_policy(base, torch.float32, cfg.model, quant=quantization_config(cfg)),
+    policy = get_peft_model(load_policy(base, torch.float32, cfg.model, quant=quantization_config(of(cfg))),
                             lora_config(cfg.ppo.lora, "CAUSAL_LM")).eval()
     torch.manual_seed(0)
     prompt = tok(["<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
@@ -187,7 +188,7 @@ def test_modules_to_save_train_the_tied_output_layer_that_the_fused_head_reads(b
     from rlhf_cli.models import load_causal_lm, lora_config, quantization_config
 
     cfg = compose("sft", ["recipe=tiny-qlora"])
-    model = get_peft_model(load_causal_lm(base, torch.float32, cfg.model, quantization_config(cfg)),
+    model = get_peft_model(load_causal_lm(base, torch.float32, cfg.model, quantization_config(of(cfg))),
                            lora_config(cfg.sft.lora, "CAUSAL_LM"))
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     assert head.weight.requires_grad and head.weight is emb.weight
@@ -260,7 +261,7 @@ def test_export_merges_a_4bit_adapter_into_plain_weights(run_cli, base, tok, tmp
     from rlhf_cli.ppo.checkpoint import save_model
 
     cfg = compose("ppo", ["model.quantization=4bit"])
-    adapted = get_peft_model(load_policy(base, torch.float32, cfg.model, quant=quantization_config(cfg)),
+    adapted = get_peft_model(load_policy(base, torch.float32, cfg.model, quant=quantization_config(of(cfg))),
                              lora_config(cfg.ppo.lora, "CAUSAL_LM"))
     torch.manual_seed(1)
     with torch.no_grad():

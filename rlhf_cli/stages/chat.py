@@ -66,8 +66,8 @@ def answer(model, tok, messages: list[dict], c, enable_thinking: bool = False) -
 
 
 def run(cfg) -> None:
-    setup_torch(cfg)
     typed = settings.of(cfg)
+    setup_torch(typed)
     c = typed.chat
     path = newest_policy(typed)
     device = devices.of_accelerator(typed.device.accelerator)

@@ -133,7 +133,7 @@ def run(cfg) -> None:
     typed = settings.of(cfg)  # what the stage reads; the composed config itself is only recorded (resume, card)
     d = typed.dpo
     policy_dir = check_settings(typed)
-    setup_torch(cfg)
+    setup_torch(typed)
     lr = d.learning_rate
     inputs = [d.policy_dir, typed.model.name_or_path, typed.model.tiny.dir]  # never replaced by the output
     with atomic_dir(d.output_dir, "dpo", inputs) as out, Checkpoints.start(cfg, "dpo") as ckpt:

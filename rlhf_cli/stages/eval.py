@@ -120,8 +120,8 @@ def markdown(report: dict) -> str:
 
 
 def run(cfg) -> None:
-    setup_torch(cfg)
     typed = settings.of(cfg)  # what the stage reads
+    setup_torch(typed)
     e = typed.eval
     policies = {name: path for name, path in e.policies.items() if path is not None}  # NAME=null: left out
     inputs = [typed.ppo.policy_dir, e.reward_dir, typed.ppo.output_dir, *policies.values()]  # never replaced

@@ -23,8 +23,8 @@ log = logging.getLogger("rlhf")
 
 def run(cfg) -> None:
     """The composed config `cfg` is only recorded (the model card); what the stage reads is its typed settings."""
-    setup_torch(cfg)
     typed = settings.of(cfg)
+    setup_torch(typed)
     ppo_dir = require_dir(typed.ppo.output_dir, "PPO output (ppo.output_dir)", "rlhf ppo")
     if not (ppo_dir / "adapter_config.json").exists():
         raise RlhfError(f"{ppo_dir} holds no LoRA adapter (adapter_config.json); a full fine-tune is already a "

@@ -41,12 +41,12 @@ def run(cfg, hooks: Hooks | None = None) -> dict:
     """The stage reads its typed settings (rlhf_cli.settings.of); the composed config `cfg` itself is only
     recorded: the run record a resume compares, the config wandb keeps, the model cards."""
     t_run = time.perf_counter()  # the wall time of the whole stage, loading included, for its last line
-    setup_torch(cfg)
+    typed = settings.of(cfg)
+    setup_torch(typed)
     from accelerate import Accelerator
 
     from rlhf_cli.launch import accelerator_kwargs
 
-    typed = settings.of(cfg)
     p = typed.ppo
     c = PPOConfig.from_cfg(p)
     acc = Accelerator(**accelerator_kwargs(typed.device))

@@ -93,8 +93,8 @@ def build_trainer(run, work: Path):
 
 
 def run(cfg) -> None:
-    setup_torch(cfg)
     typed = settings.of(cfg)  # what the stage reads; the composed config itself is only recorded (resume, card)
+    setup_torch(typed)
     r = typed.reward
     lr = r.learning_rate
     inputs = [r.init_from, typed.model.name_or_path, typed.model.tiny.dir]  # never replaced by the output

@@ -107,8 +107,8 @@ def build_trainer(run, work: Path):
 
 
 def run(cfg) -> None:
-    setup_torch(cfg)
     typed = settings.of(cfg)  # what the stage reads; the composed config itself is only recorded (resume, card)
+    setup_torch(typed)
     s = typed.sft
     lr = s.learning_rate
     with (atomic_dir(s.output_dir, "sft", [typed.model.name_or_path, typed.model.tiny.dir]) as out,
