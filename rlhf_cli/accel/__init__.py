@@ -1,6 +1,6 @@
 """Every speed path of rlhf in one package, installed in one place and switched by one setting.
 
-    paths = accel.configure(cfg, device)      # device.fast_paths: auto | on | off
+    paths = accel.configure(run, device)      # run: settings.of(cfg); device.fast_paths: auto | on | off
     paths.install(policy, ref, value, reward) # on built models; the trainer and the maths know nothing of it
     Sampling(..., engine=paths.sampler)       # "loop" (sample_loop) or "generate" (transformers)
 
@@ -75,24 +75,24 @@ class FastPaths:
         return RowSparseEmbedding(value.get_input_embeddings())
 
 
-def configure(cfg, device_type: str) -> FastPaths:
-    """The speed paths `cfg` asks for on this device, with the process-wide CPU matmul setting applied
-    (`device.cpu_matmul`; `blas` where the paths are off)."""
-    on = enabled(str(cfg.device.get("fast_paths") or "auto"), device_type)
-    if on and str(cfg.device.get("strategy")) == "fsdp":
+def configure(run, device_type: str) -> FastPaths:
+    """The speed paths the run's settings (`run`: rlhf_cli.settings.of) ask for on this device, with the
+    process-wide CPU matmul setting applied (`device.cpu_matmul`; `blas` where the paths are off)."""
+    on = enabled(str(run.device.get("fast_paths") or "auto"), device_type)
+    if on and str(run.device.get("strategy")) == "fsdp":
         log.info("fast paths: off under device.strategy=fsdp (they replace forwards and sampling of whole models "
                  "in one process; sharded models run transformers' forwards and generate())")
         on = False
-    if on and cfg.get("command") == "ppo" and bool(cfg.ppo.get("activation_checkpointing")):
+    if on and run.get("command") == "ppo" and bool(run.ppo.get("activation_checkpointing")):
         log.info("fast paths: off with ppo.activation_checkpointing (their forwards are not checked under the "
                  "recomputation of checkpointed layers)")
         on = False
-    if on and str(cfg.get("model", {}).get("quantization") or "none") != "none":
+    if on and str(run.get("model", {}).get("quantization") or "none") != "none":
         log.info("fast paths: off with model.quantization (they read plain weights: bitsandbytes layers run their "
                  "own kernels through transformers' forwards and generate())")
         on = False
     from rlhf_cli.accel import cpu_linear
 
-    cpu_linear.set_mode(str(cfg.device.get("cpu_matmul") or "auto") if on else "blas")
-    sparse = bool(cfg.get("ppo", {}).get("sparse_value_embedding", False))
+    cpu_linear.set_mode(str(run.device.get("cpu_matmul") or "auto") if on else "blas")
+    sparse = bool(run.get("ppo", {}).get("sparse_value_embedding", False))
     return FastPaths(on=on, sparse_embedding=on and sparse)

@@ -43,14 +43,15 @@ def hooked(model: nn.Module) -> bool:
 
 
 class _Layer:
-    def __init__(self, layer, cfg, head_dim: int) -> None:
+    def __init__(self, layer, config, head_dim: int) -> None:
+        """`config`: the model's transformers config (its head counts)."""
         attn, mlp = layer.self_attn, layer.mlp
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.act = mlp.act_fn
         self.rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.scaling = attn.scaling
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim
         lins = [_plain_weight(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                                            mlp.up_proj, mlp.down_proj)]
         self.ok = all(x is not None for x in lins)
@@ -70,24 +71,24 @@ class Decoder:
     @classmethod
     def of(cls, model, cache, linear=None) -> Decoder | None:
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        cfg = getattr(lm, "config", None)
+        config = getattr(lm, "config", None)
         backbone = getattr(lm, "model", None)
-        if cfg is None or getattr(cfg, "model_type", None) not in MODEL_TYPES or backbone is None:
+        if config is None or getattr(config, "model_type", None) not in MODEL_TYPES or backbone is None:
             return None
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
             return None
         # the steps call sdpa: a model whose prefill runs another kernel (eager, flash attention) keeps its own
         # forward for the steps too, so that prefill and steps compute attention the same way
-        if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        if getattr(config, "_attn_implementation", None) != "sdpa":
             return None
         if hooked(lm) or not hasattr(backbone, "rotary_emb") or not hasattr(backbone, "embed_tokens"):
             return None
         head = _plain_weight(getattr(lm, "lm_head", None))
         if head is None:
             return None
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         try:
-            layers = [_Layer(layer, cfg, head_dim) for layer in backbone.layers[: cfg.num_hidden_layers]]
+            layers = [_Layer(layer, config, head_dim) for layer in backbone.layers[: config.num_hidden_layers]]
         except AttributeError:  # a layer of another shape
             return None
         if not all(x.ok for x in layers):
