@@ -191,7 +191,7 @@ def run_stage(cfg) -> dict | None:
     reported and the sweep goes on, and the return value tells MultirunSummary where the output is."""
     command = cfg.command
     job = current_job()
-    output = job_output(cfg, job) if job is not None else None
+    output = job_output(str(command), job) if job is not None else None
     on_term = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if on_term else None
     started = False  # past the checks: a refused run leaves no log directory, nor does a command that writes none
@@ -207,7 +207,7 @@ def run_stage(cfg) -> dict | None:
                 data.check_files(cfg.data)  # before the stage's imports, which take seconds
                 data.check_held_out(typed)
             started = True
-            rc = _launch(cfg, [f"{output[0]}={quote(output[1])}"] if output else [])
+            rc = _launch(typed, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")
                 module.run(cfg)
@@ -270,9 +270,10 @@ def _launch_failure(rc: int) -> str:
     return f"the launched processes failed (exit {rc}); see their messages above"
 
 
-def _launch(cfg, extra: list[str] | None = None) -> int | None:
+def _launch(run, extra: list[str] | None = None) -> int | None:
     """Multi-process devices start `rlhf` again under accelerate launch (rlhf_cli.supervise); None: run here.
-    `extra`: overrides the started processes need besides this run's (a multirun job's output directory)."""
+    `run`: the run's settings (rlhf_cli.settings.of); `extra`: overrides the started processes need besides this
+    run's (a multirun job's output directory)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -280,7 +281,7 @@ def _launch(cfg, extra: list[str] | None = None) -> int | None:
     hc = HydraConfig.get()
     if launch.is_launched() and os.environ.get("RANK", "0") != "0":
         logging.getLogger("rlhf").setLevel(logging.WARNING)  # rank 0 reports; the others only warn
-    return supervise.handle(cfg, [*hc.overrides.task, *(extra or [])], hc.runtime.output_dir)
+    return supervise.handle(run, [*hc.overrides.task, *(extra or [])], hc.runtime.output_dir)
 
 
 def _hydra_app():

@@ -70,9 +70,10 @@ def num_processes(device) -> int:
     return n
 
 
-def check_stage_support(cfg) -> None:
-    """Reject stage / strategy combinations that cannot work (before launching, and again in each process)."""
-    d, command = cfg.device, cfg.command
+def check_stage_support(run) -> None:
+    """Reject stage / strategy combinations that cannot work (before launching, and again in each process);
+    `run`: the run's settings (rlhf_cli.settings.of)."""
+    d, command = run.device, run.command
     s = strategy(d)
     if s == "single" or command not in TRAIN_COMMANDS:
         return
@@ -89,18 +90,18 @@ def check_stage_support(cfg) -> None:
         if bool(d.offload_params):
             raise RlhfError(f"device.offload_params=true: rlhf ppo keeps its shards on the device under "
                             f"{d.name}; set device.offload_params=false")
-        if bool(cfg.ppo.merge):
+        if bool(run.ppo.merge):
             raise RlhfError(f"ppo.merge=true under {d.name}: the adapter is trained sharded; merge it after the "
                             "run with `rlhf export` (or drop ppo.merge)")
-    if command == "sft" and s in ("deepspeed", "fsdp") and bool(cfg.sft.lora.enabled) and \
+    if command == "sft" and s in ("deepspeed", "fsdp") and bool(run.sft.lora.enabled) and \
             (s == "fsdp" or int(d.zero_stage) == 3):
         raise RlhfError(f"sft.lora.enabled=true with {d.name}: the adapter is merged into the weights before "
                         "saving, which needs unsharded weights; use device=zero2 or ddp, or full fine-tuning")
 
 
-def check_launch(cfg) -> None:
-    """Process counts and multi-node settings of a launch."""
-    d = cfg.device
+def check_launch(run) -> None:
+    """Process counts and multi-node settings of a launch (`run`: the run's settings, rlhf_cli.settings.of)."""
+    d = run.device
     s = strategy(d)
     n = num_processes(d)
     if s == "single":
@@ -279,13 +280,14 @@ def quiet_launch_argv(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "rlhf_cli.accelerate_launch", *argv[len(prefix):]]
 
 
-def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None) -> list[str]:
-    """The full launch command: ddp as explicit flags; DeepSpeed / FSDP through the generated config file."""
-    d = cfg.device
-    s = strategy(d)
+def launch_argv(run, overrides: list[str], config_file: str | Path | None = None) -> list[str]:
+    """The full launch command of the run's settings (`run`: rlhf_cli.settings.of): ddp as explicit flags;
+    DeepSpeed / FSDP through the generated config file."""
+    d = run.device
+    strategy(d)  # an unknown strategy is refused before anything else
     ac = accelerate_config(d)
     argv = launcher_prefix()
-    if not uses_config_file(cfg):
+    if not uses_config_file(run):
         argv += ["--multi_gpu", "--num_processes", str(ac["num_processes"]), "--num_machines",
                  str(ac["num_machines"])]
         if ac["num_machines"] > 1:
@@ -300,14 +302,15 @@ def launch_argv(cfg, overrides: list[str], config_file: str | Path | None = None
     threads = int(d.get("threads") or 0)
     if threads > 0:
         argv += ["--num_cpu_threads_per_process", str(threads)]
-    return [*argv, "-m", "rlhf_cli.cli", str(cfg.command), *overrides]
+    return [*argv, "-m", "rlhf_cli.cli", str(run.command), *overrides]
 
 
-def uses_config_file(cfg) -> bool:
+def uses_config_file(run) -> bool:
     """Whether the launch carries accelerate's DeepSpeed / FSDP settings (a generated config file): sft and
-    reward, whose trainers take them from accelerate; ppo places its models itself and launches like ddp."""
-    s = strategy(cfg.device)
-    return s == "deepspeed" or (s == "fsdp" and str(cfg.command) != "ppo")
+    reward, whose trainers take them from accelerate; ppo places its models itself and launches like ddp.
+    `run`: the run's settings (rlhf_cli.settings.of)."""
+    s = strategy(run.device)
+    return s == "deepspeed" or (s == "fsdp" and str(run.command) != "ppo")
 
 
 def child_overrides(task_overrides: list[str]) -> list[str]:
@@ -315,12 +318,14 @@ def child_overrides(task_overrides: list[str]) -> list[str]:
     return [o for o in task_overrides if not o.startswith(_INJECTED) and not o.startswith("dry_run=")]
 
 
-def write_accelerate_config(cfg, directory: str | Path) -> Path:
+def write_accelerate_config(run, directory: str | Path) -> Path:
+    """`accelerate_config.yaml` in `directory` from the device of the run's settings (`run`:
+    rlhf_cli.settings.of)."""
     import yaml
 
     path = Path(directory) / "accelerate_config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(accelerate_config(cfg.device), sort_keys=False)
-    head = f"# written by `rlhf {cfg.command}` from cfg.device; used by accelerate launch\n"
+    text = yaml.safe_dump(accelerate_config(run.device), sort_keys=False)
+    head = f"# written by `rlhf {run.command}` from cfg.device; used by accelerate launch\n"
     path.write_text(head + text, encoding="utf-8")
     return path

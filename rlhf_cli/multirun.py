@@ -29,16 +29,16 @@ def current_job():
 OUTPUT_KEYS = {s.name: s.output_key for s in STAGES if s.output}
 
 
-def job_output(cfg, job) -> tuple[str, str] | None:
+def job_output(command: str, job) -> tuple[str, str] | None:
     """(key, `<job dir>/<command>`): the output directory of a multirun job, so that the jobs of a sweep do
     not replace each other's <run_dir>/<command>. The inputs (e.g. reward's SFT model) stay the run's. None
     for commands that write nothing, or when the command line sets the key itself."""
-    key = OUTPUT_KEYS.get(str(cfg.command))
+    key = OUTPUT_KEYS.get(str(command))
     if key is None:
         return None
     if any(o.split("=", 1)[0].lstrip("+~") == key for o in job.overrides.task):
         return None
-    return key, str(Path(job.runtime.output_dir) / str(cfg.command))
+    return key, str(Path(job.runtime.output_dir) / str(command))
 
 
 # ------------------------------------------------------------------------------------------------- summary

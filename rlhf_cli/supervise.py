@@ -53,22 +53,23 @@ STOP_GRACE_S = 40.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
-    """Relaunch under accelerate when the device asks for several processes (or print the line with dry_run).
+def handle(run, task_overrides: list[str], log_dir: str | Path) -> int | None:
+    """Relaunch under accelerate when the device of the run's settings (`run`: rlhf_cli.settings.of) asks for
+    several processes (or print the line with dry_run).
 
     Returns None when the stage should run in this process, else the exit code to leave with.
     """
-    command = str(cfg.command)
+    command = str(run.command)
     overrides = child_overrides(task_overrides)
-    dry = bool(cfg.get("dry_run"))
+    dry = bool(run.get("dry_run"))
     if command == "doctor":
         return None
     if is_launched():
         die_with_launcher()
-        check_stage_support(cfg)
+        check_stage_support(run)
         return None
     single_line = shlex.join([sys.executable, "-m", "rlhf_cli.cli", command, *overrides])
-    s = strategy(cfg.device)
+    s = strategy(run.device)
     if command not in TRAIN_COMMANDS:
         if s != "single":
             log.info("%s runs in one process; device.strategy=%s applies to sft, reward and ppo", command, s)
@@ -76,15 +77,15 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
             print(single_line)
             return 0
         return None
-    check_stage_support(cfg)
-    check_launch(cfg)
+    check_stage_support(run)
+    check_launch(run)
     if s == "single":
         if dry:
             print(single_line)
             return 0
         return None
-    config_file = write_accelerate_config(cfg, log_dir) if uses_config_file(cfg) else None
-    argv = launch_argv(cfg, overrides, config_file)
+    config_file = write_accelerate_config(run, log_dir) if uses_config_file(run) else None
+    argv = launch_argv(run, overrides, config_file)
     line = shlex.join(argv)
     if dry:
         print(line)
@@ -97,9 +98,9 @@ def handle(cfg, task_overrides: list[str], log_dir: str | Path) -> int | None:
         import importlib.util
 
         if importlib.util.find_spec("deepspeed") is None:
-            raise RlhfError(f"device={cfg.device.name} needs DeepSpeed: pip install '.[deepspeed]' "
+            raise RlhfError(f"device={run.device.name} needs DeepSpeed: pip install '.[deepspeed]' "
                             "(or pip install deepspeed)")
-    n = num_processes(cfg.device)
+    n = num_processes(run.device)
     log.info("launching %d process(es) per machine: %s", n, line)
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from rlhf_cli import launch, supervise
 from rlhf_cli.config import CONF_DIR, compose
 from rlhf_cli.errors import RlhfError
+from rlhf_cli.settings import of
 
 DEVICES = sorted(p.stem for p in (CONF_DIR / "device").glob("*.yaml"))
 EXPECTED = {  # name: (accelerator, strategy, zero stage)
@@ -59,7 +60,7 @@ def test_accelerate_config_parses(device, tmp_path):
     from accelerate.utils import DistributedType
 
     cfg = compose("sft", [f"device={device}", "device.num_processes=4"])
-    path = launch.write_accelerate_config(cfg, tmp_path)
+    path = launch.write_accelerate_config(of(cfg), tmp_path)
     loaded = load_config_from_file(str(path))
     want = {"ddp": DistributedType.MULTI_GPU, "cpu-ddp": DistributedType.MULTI_GPU,
             "zero2": DistributedType.DEEPSPEED, "zero3": DistributedType.DEEPSPEED,
@@ -78,12 +79,12 @@ def test_multi_node_settings_pass_through(tmp_path):
 
     ov = ["device=zero2", "device.num_processes=8", "device.num_machines=2", "device.machine_rank=1",
           "device.main_process_ip=10.1.2.3", "device.main_process_port=29600"]
-    loaded = load_config_from_file(str(launch.write_accelerate_config(compose("sft", ov), tmp_path)))
+    loaded = load_config_from_file(str(launch.write_accelerate_config(of(compose("sft", ov)), tmp_path)))
     # accelerate counts processes over all machines
     assert (loaded.num_processes, loaded.num_machines, loaded.machine_rank) == (16, 2, 1)
     assert (loaded.main_process_ip, loaded.main_process_port) == ("10.1.2.3", 29600)
     assert loaded.deepspeed_config["deepspeed_multinode_launcher"] == "standard"
-    argv = launch.launch_argv(compose("sft", ["device=ddp", *ov[1:]]), ["device=ddp"])
+    argv = launch.launch_argv(of(compose("sft", ["device=ddp", *ov[1:]])), ["device=ddp"])
     i = argv.index("--num_processes")
     assert argv[i + 1] == "16"
     for flag, value in (("--machine_rank", "1"), ("--main_process_ip", "10.1.2.3"), ("--num_machines", "2"),
@@ -201,16 +202,16 @@ def test_ppo_under_fsdp_launches_like_ddp(run_cli, device):
 
 def test_launched_processes_do_not_launch_again(monkeypatch, tmp_path, capsys):
     cfg = compose("sft", ["device=cpu-ddp", "dry_run=true"])
-    assert supervise.handle(cfg, ["device=cpu-ddp"], tmp_path) == 0  # the launching process: prints the line
+    assert supervise.handle(of(cfg), ["device=cpu-ddp"], tmp_path) == 0  # the launching process: prints the line
     assert "--multi_gpu" in capsys.readouterr().out
     armed = []
     monkeypatch.setattr(supervise, "die_with_launcher", lambda: armed.append(1))  # not on the test process
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert supervise.handle(cfg, ["device=cpu-ddp"], tmp_path) is None  # a started process: runs the stage
+    assert supervise.handle(of(cfg), ["device=cpu-ddp"], tmp_path) is None  # a started process: runs the stage
     assert armed  # ... and ends when its launcher does
     with pytest.raises(RlhfError, match="ppo runs under ddp"):
-        supervise.handle(compose("ppo", ["device=zero2"]), [], tmp_path)  # still checked in each process
+        supervise.handle(of(compose("ppo", ["device=zero2"])), [], tmp_path)  # still checked in each process
 
 
 def test_child_overrides_drop_what_the_dispatcher_adds():
@@ -240,12 +241,12 @@ def test_accelerate_never_adds_its_own_autocast(precision, tmp_path):
     tells accelerate `no`, on the command line and in the generated config file."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    argv = launch.launch_argv(compose("sft", ["device=ddp", f"device.mixed_precision={precision}"]), [])
+    argv = launch.launch_argv(of(compose("sft", ["device=ddp", f"device.mixed_precision={precision}"])), [])
     assert argv[argv.index("--mixed_precision") + 1] == "no"
     for device in ("zero2", "fsdp"):
         cfg = compose("sft", [f"device={device}", f"device.mixed_precision={precision}"])
         assert launch.accelerate_config(cfg.device)["mixed_precision"] == "no"
-        loaded = load_config_from_file(str(launch.write_accelerate_config(cfg, tmp_path / device)))
+        loaded = load_config_from_file(str(launch.write_accelerate_config(of(cfg), tmp_path / device)))
         assert loaded.mixed_precision == "no"
 
 

@@ -256,8 +256,8 @@ def _machine_lines(run) -> tuple[list[str], dict]:
 
 
 def cpu_matmul_kernel(run) -> str:
-    """Which kernels PPO's fp32 linear layers take on this CPU with the run's settings `run` (rlhf_cli.accel.cpu_linear),
-    and why."""
+    """Which kernels PPO's fp32 linear layers take on this CPU with the run's settings `run`
+    (rlhf_cli.accel.cpu_linear), and why."""
     d = run.device
     mode = str(d.get("cpu_matmul") or "auto")
     if str(d.get("fast_paths")) == "off":
