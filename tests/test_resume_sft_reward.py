@@ -190,14 +190,16 @@ def sft_run(run_dir: Path, tiny_base: Path, *overrides: str):
     """(Checkpoints, trainer) of a 4-step SFT on 64 rows with a checkpoint every 2 steps."""
     from rlhf_cli.config import compose
     from rlhf_cli.hardware import setup_torch
+    from rlhf_cli.resume import run_shape
+    from rlhf_cli.settings import of
     from rlhf_cli.stages import sft
     from rlhf_cli.stages._common import Checkpoints
 
     cfg = compose("sft", [f"run_dir={run_dir}", f"model.tiny.dir={tiny_base}", "device.threads=1",
                           "data.max_rows=64", "sft.max_steps=4", "sft.save_steps=2", "sft.eval_steps=4", *overrides])
-    setup_torch(cfg)
-    ckpt = Checkpoints.start(cfg, "sft")
-    return ckpt, sft.build_trainer(cfg, ckpt.work)[0]
+    setup_torch(of(cfg))
+    ckpt = Checkpoints.start(of(cfg), "sft", run_shape(cfg, "sft"))
+    return ckpt, sft.build_trainer(of(cfg), ckpt.work)[0]
 
 
 def test_resume_reads_checkpoint_files_with_weights_only_and_refuses_a_pickle(tmp_path, tiny_base, monkeypatch):

@@ -120,25 +120,26 @@ class Checkpoints:
         return int(self.resume_from.name.split("-", 1)[1]) if self.resume_from is not None else None
 
     @classmethod
-    def start(cls, cfg, stage: str) -> Checkpoints:
-        """Prepare the partial directory of `<stage>.output_dir` and find the checkpoint to resume from.
+    def start(cls, run, stage: str, shape: dict) -> Checkpoints:
+        """Prepare the partial directory of `<stage>.output_dir` and find the checkpoint to resume from; `run`: the
+        run's settings (rlhf_cli.settings.of), `shape`: the run's record its checkpoints keep (`resume.run_shape`
+        of the composed config).
 
         `<stage>.resume=true`: the latest complete checkpoint, if the keys that shape the run are as they were
         (else a one-line error naming the changed keys). Otherwise a fresh run (`resume.refuse_interrupted`).
         Only the main process changes files; every process finds the same checkpoint."""
         import uuid
 
-        s = cfg[stage]
+        s = run[stage]
         out = Path(s.output_dir)
         work = R.partial_dir(out)
-        shape = R.run_shape(cfg, stage)
         resume, fresh = bool(s.resume), bool(s.fresh)
         R.check_switches(stage, resume, fresh)
         found = R.latest_checkpoint(work)
         token = uuid.uuid4().hex
         main = process_rank()[0] == 0
         if resume:  # the run is taken over (run.json's "run") once its checkpoint is checked (`train`)
-            cls._check_resume(cfg, stage, out, work, found, shape)
+            cls._check_resume(run, stage, out, work, found, shape)
             return cls(stage, work, found, token, shape)
         R.refuse_interrupted(stage, work, found, fresh)
         if main:
@@ -147,16 +148,16 @@ class Checkpoints:
         return cls(stage, work, None, token, shape)
 
     @staticmethod
-    def _check_resume(cfg, stage: str, out: Path, work: Path, found: Path | None, shape: dict) -> None:
-        unsafe = resume_unsafe_reason(cfg.device)
+    def _check_resume(run, stage: str, out: Path, work: Path, found: Path | None, shape: dict) -> None:
+        unsafe = resume_unsafe_reason(run.device)
         if unsafe:
-            raise RlhfError(f"{stage}.resume=true is not available with device.strategy={cfg.device.strategy}: "
+            raise RlhfError(f"{stage}.resume=true is not available with device.strategy={run.device.strategy}: "
                             f"{unsafe}, and rlhf loads nothing with pickle; drop {stage}.resume=true")
         if found is None:
             if not work.exists() and (out / "metrics.json").is_file():
                 raise R.finished_refusal(stage, out)
             raise RlhfError(f"{stage}.resume=true but there is no checkpoint to resume at {work} (the run writes "
-                            f"one every {stage}.save_steps={cfg[stage].save_steps} steps); drop "
+                            f"one every {stage}.save_steps={run[stage].save_steps} steps); drop "
                             f"{stage}.resume=true")
         try:
             stored = read_json(work / R.RUN_FILE)["config"]

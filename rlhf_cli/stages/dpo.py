@@ -35,6 +35,7 @@ from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.launch import is_sharded
 from rlhf_cli.models import load_causal_lm, load_tokenizer, lora_config, quantization_config
+from rlhf_cli.resume import run_shape
 from rlhf_cli.stages._common import (
     Checkpoints,
     final_eval,
@@ -136,7 +137,8 @@ def run(cfg) -> None:
     setup_torch(typed)
     lr = d.learning_rate
     inputs = [d.policy_dir, typed.model.name_or_path, typed.model.tiny.dir]  # never replaced by the output
-    with atomic_dir(d.output_dir, "dpo", inputs) as out, Checkpoints.start(cfg, "dpo") as ckpt:
+    with (atomic_dir(d.output_dir, "dpo", inputs) as out,
+          Checkpoints.start(typed, "dpo", run_shape(cfg, "dpo")) as ckpt):
         trainer, n_train, n_eval = build_trainer(typed, policy_dir, ckpt.work)
         with training_console(trainer, "dpo", lr):
             t0 = time.perf_counter()

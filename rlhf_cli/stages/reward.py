@@ -27,6 +27,7 @@ from rlhf_cli.hardware import resolve_precision, setup_torch
 from rlhf_cli.io import atomic_dir, write_json
 from rlhf_cli.learned import reward_warning
 from rlhf_cli.models import load_seq_cls, load_tokenizer
+from rlhf_cli.resume import run_shape
 from rlhf_cli.sources import base_model_dir
 from rlhf_cli.stages._common import (
     Checkpoints,
@@ -98,7 +99,8 @@ def run(cfg) -> None:
     r = typed.reward
     lr = r.learning_rate
     inputs = [r.init_from, typed.model.name_or_path, typed.model.tiny.dir]  # never replaced by the output
-    with atomic_dir(r.output_dir, "reward", inputs) as out, Checkpoints.start(cfg, "reward") as ckpt:
+    with (atomic_dir(r.output_dir, "reward", inputs) as out,
+          Checkpoints.start(typed, "reward", run_shape(cfg, "reward")) as ckpt):
         trainer, init, train_rows, n_eval = build_trainer(typed, ckpt.work)
         tok = trainer.processing_class
         with training_console(trainer, "reward", lr):

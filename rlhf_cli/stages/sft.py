@@ -30,6 +30,7 @@ from rlhf_cli.models import (
     quantization_config,
 )
 from rlhf_cli.own_data import sft_floor, steps_per_epoch
+from rlhf_cli.resume import run_shape
 from rlhf_cli.sources import base_model_dir
 from rlhf_cli.stages._common import (
     Checkpoints,
@@ -112,7 +113,7 @@ def run(cfg) -> None:
     s = typed.sft
     lr = s.learning_rate
     with (atomic_dir(s.output_dir, "sft", [typed.model.name_or_path, typed.model.tiny.dir]) as out,
-          Checkpoints.start(cfg, "sft") as ckpt):
+          Checkpoints.start(typed, "sft", run_shape(cfg, "sft")) as ckpt):
         trainer, base, n_train, n_eval = build_trainer(typed, ckpt.work)
         tok = trainer.processing_class
         with training_console(trainer, "sft", lr):
