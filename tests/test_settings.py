@@ -101,3 +101,36 @@ def test_with_values_casts_each_value_and_leaves_the_view_unchanged():
     for bad in ("ppo.no_such_key", "no_such_group.x", "seed.x"):
         with pytest.raises(KeyError):
             with_values(run, {bad: 1})
+
+
+# the functions that may take the composed config itself (a DictConfig, `cfg`): each stage's entry, which builds
+# the typed settings once; the dispatcher and schema checks before them; settings.of; and what records the whole
+# composed config (the run record a resume compares, the model cards, the wandb run's config)
+TAKES_CFG = {
+    "cli.py": {"_resume_hint", "run_stage", "app"},
+    "settings.py": {"of"},
+    "schema.py": {"validate", "check_inputs", "_problems"},
+    "resume.py": {"run_config", "run_shape", "finished_as_configured", "ppo_record", "model_identities",
+                  "resume_hint"},
+    "cards.py": {"_input_dir", "stage_record", "write_card"},
+    "tracking.py": {"_config_dict"},
+    "stages/_ppo_outputs.py": {"write_cards"},
+    **{f"stages/{stage}.py": {"run"} for stage in ("sft", "reward", "dpo", "ppo", "eval", "export", "chat", "push",
+                                                 "doctor")},
+}
+
+
+def test_past_each_entry_code_reads_typed_settings_not_the_composed_config():
+    """`grep -rn "def [a-z_]*(.*\\bcfg\\b" rlhf_cli` lists only the functions above: every other function takes the
+    typed settings (rlhf_cli.settings.of, or one group of them), built once at the command's entry."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "rlhf_cli"
+    pattern = re.compile(r"def ([a-z_]*)\(.*\bcfg\b")
+    found = {(path.relative_to(package).as_posix(), m.group(1))
+             for path in sorted(package.rglob("*.py"))
+             for line in path.read_text(encoding="utf-8").splitlines() if (m := pattern.search(line))}
+    allowed = {(module, name) for module, names in TAKES_CFG.items() for name in names}
+    assert sorted(found - allowed) == []  # the grep lists none but these
+    assert sorted(allowed - found) == []  # and each of these still takes it (else drop it from the list)
