@@ -209,6 +209,7 @@ def run_stage(cfg) -> dict | None:
             started = True
             rc = _launch(typed, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
+                quantization.hide_unused_bitsandbytes(typed)
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")
                 module.run(cfg)
             elif rc:

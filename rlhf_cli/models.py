@@ -122,7 +122,7 @@ def _from_pretrained(auto_cls, path, model_cfg, quant=None, **kw):
         opts["quantization_config"] = quant
     refuse_pickle(path)
     try:
-        return auto_cls.from_pretrained(_abs(path), **kw, **opts, use_safetensors=True)
+        model = auto_cls.from_pretrained(_abs(path), **kw, **opts, use_safetensors=True)
     except (ValueError, ImportError) as e:
         if "attn_implementation" in opts and "attn_implementation" in str(e):
             raise RlhfError(f"model.attn_implementation={opts['attn_implementation']} cannot be used here "
@@ -134,6 +134,31 @@ def _from_pretrained(auto_cls, path, model_cfg, quant=None, **kw):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise RlhfError(f"the model files in {path} cannot be read ({type(e).__name__}: {first}); they may be "
                         "truncated or corrupt: copy or download them again, or re-run the stage that wrote them") from e
+    if getattr(quant, "load_in_4bit", False):
+        _check_4bit_widths(model, path)
+    return model
+
+
+def _check_4bit_widths(model, path) -> None:
+    """bitsandbytes' 4-bit CPU kernel for CPUs with AVX512-BF16 repacks each frozen layer for inference by blocks
+    of 64 input columns and fails on a layer with fewer or a remainder (a shape error deep in its repacking, at the
+    first forward without gradients): refused here, in one line, before any step. Real models' widths are
+    multiples of 64; a toy one may not be."""
+    if model.device.type != "cpu":
+        return
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import has_avx512bf16
+
+    from rlhf_cli.quantization import NF4_BLOCK
+
+    if not has_avx512bf16():
+        return
+    odd = sorted({m.in_features for m in model.modules()
+                  if isinstance(m, bnb.nn.Linear4bit) and m.in_features % NF4_BLOCK})
+    if odd:
+        raise RlhfError(f"model.quantization=4bit cannot run the model in {path} on this CPU: bitsandbytes' 4-bit "
+                        f"kernel for AVX512-BF16 CPUs needs layers whose input width is a multiple of {NF4_BLOCK}, "
+                        f"and it has layers {odd[0]} wide; use model.quantization=8bit or none for this model")
 
 
 KINDS = {"causal_lm": "causal language model (a policy)", "seq_cls": "sequence classifier (a reward or value model)"}

@@ -257,12 +257,15 @@ def test_a_reward_model_with_its_own_tokenizer_teaches_the_policy(chain):
     tok.chat_template = OTHER_TEMPLATE
     tok.save_pretrained(str(other))
     rm = "runs/tiny/reward_other"
-    ok(rlhf(chain, "reward", *QUICK, f"model.name_or_path={other}", "reward.init_from=base", f"reward.output_dir={rm}"))
+    # 240 steps (QUICK's 80 leave a model that PPO at a weak KL games on some CPUs' kernels: ground truth fell
+    # 0.77 -> 0.72 at kl 16 on an AVX-512 Xeon), and the tiny recipe's own kl_coef
+    ok(rlhf(chain, "reward", *QUICK, "reward.max_steps=240", f"model.name_or_path={other}", "reward.init_from=base",
+            f"reward.output_dir={rm}"))
     # a value model cannot start from it: it reads the policy's tokens
     fails(rlhf(chain, "ppo", "device.threads=1", f"ppo.reward_dir={rm}", "ppo.output_dir=runs/tiny/ppo_other"),
           "ppo.value_init=reward", "tokenizer of its own", "ppo.value_init=sft")
     ok(rlhf(chain, "ppo", "device.threads=1", f"ppo.reward_dir={rm}", "ppo.value_init=sft",
-            "ppo.output_dir=runs/tiny/ppo_other", "ppo.total_episodes=2048", "ppo.kl_coef=0.02", "ppo.eval_every=0"))
+            "ppo.output_dir=runs/tiny/ppo_other", "ppo.total_episodes=2048", "ppo.eval_every=0"))
     ok(rlhf(chain, "eval", "device.threads=1", f"eval.reward_dir={rm}", "eval.policies.ppo=runs/tiny/ppo_other",
             "eval.output_dir=runs/tiny/eval_other", "eval.num_prompts=64"))
     rows = json.loads((chain / "runs/tiny/eval_other/report.json").read_text())["policies"]

@@ -15,6 +15,7 @@ from rlhf_cli import quantization
 from rlhf_cli.config import compose
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.settings import of
+from tinybase import library_base
 
 SFT_STEP = ["device.threads=1", "model.quantization=4bit", "sft.lora.enabled=true", "sft.max_steps=2",
             "sft.eval_steps=100", "sft.per_device_train_batch_size=4", "sft.per_device_eval_batch_size=8",
@@ -27,6 +28,37 @@ def bnb():
 
 def quantized(model) -> set[str]:
     return {type(m).__name__ for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt")}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The library tests' tiny base 64 wide (conftest's is 32): bitsandbytes' 4-bit kernel for AVX512-BF16 CPUs
+    needs layer widths in multiples of 64 (models._check_4bit_widths)."""
+    return library_base(tmp_path_factory.mktemp("base64") / "base", width=64)
+
+
+@pytest.fixture(scope="module")
+def tok(base):
+    from rlhf_cli.models import load_tokenizer
+
+    return load_tokenizer(base)
+
+
+def test_a_4bit_layer_narrower_than_a_block_is_one_line_on_an_avx512_bf16_cpu(tmp_path, monkeypatch):
+    """On a CPU whose bitsandbytes kernel repacks 4-bit weights (AVX512-BF16), a layer 32 wide would fail at the
+    first forward without gradients with a shape error; it is refused at load, naming the key and the fix."""
+    bnb()
+    import bitsandbytes.functional
+
+    from rlhf_cli.models import load_causal_lm, quantization_config
+
+    narrow = library_base(tmp_path / "narrow", width=32)
+    cfg = compose("sft", ["model.quantization=4bit"])
+    monkeypatch.setattr(bitsandbytes.functional, "has_avx512bf16", lambda: True)
+    with pytest.raises(RlhfError, match=r"model\.quantization=4bit .* layers 32 wide; use model\.quantization"):
+        load_causal_lm(narrow, torch.float32, cfg.model, quantization_config(of(cfg)))
+    monkeypatch.setattr(bitsandbytes.functional, "has_avx512bf16", lambda: False)  # the AVX2 kernel runs it
+    assert quantized(load_causal_lm(narrow, torch.float32, cfg.model, quantization_config(of(cfg)))) == {"Linear4bit"}
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -286,3 +318,21 @@ def test_export_merges_a_4bit_adapter_into_plain_weights(run_cli, base, tok, tmp
     ids = tok(["hello there"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expect(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("quant,loaded", [("none", False), ("4bit", True)])
+def test_a_new_process_imports_bitsandbytes_only_for_a_quantized_run(quant, loaded):
+    """peft and transformers import bitsandbytes whenever it is installed (a fifth of a stage's start-up); a
+    process that runs without model.quantization never loads it, and a quantized one does."""
+    bnb()
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom rlhf_cli import quantization\nfrom rlhf_cli.config import compose\n"
+              "from rlhf_cli.settings import of\n"
+              f"quantization.hide_unused_bitsandbytes(of(compose('sft', ['model.quantization={quant}'])))\n"
+              "import peft\nfrom transformers.utils import is_bitsandbytes_available\n"
+              "print(sys.modules.get('bitsandbytes') is not None, is_bitsandbytes_available())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(loaded), str(loaded)]
