@@ -24,6 +24,13 @@ _TYPES = {**{k: f"{t.__name__} | None" for k, t in CAST.items()},
           "modules": "str | tuple[str, ...] | None", "mapping": "Mapping[str, str | None]"}
 
 
+def annotation(rule: Rule) -> str:
+    """The type a value of `rule` holds once cast, as an annotation ("float", "tuple[int, ...] | None"): None only
+    where the key takes null (a view's fields all admit None: a key its node lacks reads None)."""
+    base = _TYPES[rule.kind].removesuffix(" | None")
+    return f"{base} | None" if rule.nullable else base
+
+
 def cast(rule: Rule, v):
     """A config value as a typed field holds it: None stays None; list kinds become tuples (a single entry a
     1-tuple); an enum is text (true / false as lower-case text); an int's named value beside its range

@@ -2,18 +2,19 @@
 
 Each field is a key of the `ppo` group: its type, range, allowed values and meaning are written once, in
 `rlhf_cli.keys.SCHEMA["ppo.<field>"]` (checked when the config is composed); `from_cfg` casts by that
-entry's kind (`rlhf_cli.settings.cast`: `recompute_logprobs`, true / false / auto, becomes lower-case text), and
-tests/test_ppo_config.py checks that the fields are exactly the schema's `ppo.*` keys less `NOT_FIELDS`, typed as
-the schema says. `check` tests the keys that only make sense together."""
+entry's kind (`rlhf_cli.settings.cast`: `recompute_logprobs`, true / false / auto, becomes lower-case text). The
+dataclass itself is made from those entries (the end of this module), so a new `ppo.*` key is a field once keys.py
+has it; tests/test_ppo_config.py checks the fields against the schema. `check` tests the keys that only make sense
+together."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields, make_dataclass
 
 from rlhf_cli.choices import ADVANTAGES, REWARD_MODEL
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.keys import SCHEMA
-from rlhf_cli.settings import cast
+from rlhf_cli.settings import annotation, cast
 
 GROUP_ADVANTAGES = ("grpo", "rloo")   # compare the responses to one prompt: samples_per_prompt ≥ 2
 # ppo.* keys that are not fields: batch sizes (rlhf_cli.config.ppo_sizes), model sources and LoRA
@@ -28,62 +29,13 @@ NOT_FIELDS = frozenset({
 })
 
 
-@dataclass(frozen=True)
-class PPOConfig:
-    # optimisation
-    learning_rate: float
-    value_learning_rate: float | None
-    lr_scheduler_type: str
-    warmup_ratio: float
-    weight_decay: float
-    max_grad_norm: float | None
-    sparse_value_embedding: bool
-    num_ppo_epochs: int
-    # sampling
-    response_length: int
-    temperature: float
-    top_k: int
-    top_p: float
-    stop_token: str | None
-    stop_token_ids: tuple[int, ...]
-    recompute_logprobs: str             # lower-case text, true / false included
-    # rewards and advantages
-    reward: tuple[str, ...]
-    reward_weights: tuple[float, ...] | None
-    advantage: str
-    samples_per_prompt: int
-    scale_rewards: bool
-    loss_aggregation: str
-    kl_loss_estimator: str
-    # reward shaping and KL
-    kl_coef: float
-    kl_estimator: str
-    adaptive_kl: bool
-    adaptive_kl_target: float
-    kl_horizon: float
-    whiten_rewards: bool
-    normalize_scores: bool
-    missing_eos_penalty: float | None
-    empty_response_penalty: float | None
-    first_update_kl_tolerance: float | None
-    # losses
-    gamma: float
-    lam: float
-    cliprange: float
-    cliprange_value: float
-    vf_coef: float
-    ent_coef: float
-    target_kl: float | None
-    # run
-    logging_steps: int
-    sample_every: int
-    save_every: int
-    save_total_limit: int | None        # checkpoints kept (rlhf_cli.ppo.checkpoint.prune); None: all
-    eval_every: int                     # updates between held-out evaluations (rlhf_cli.ppo.evaluation); 0: none
-    keep_best: str | None               # the eval/* metric whose best update's adapter is kept in best/
+class _Hyperparameters:
+    """What PPOConfig has beside its fields (`PPOConfig`, below, adds one field per hyper-parameter key)."""
+
+    __slots__ = ()
 
     @classmethod
-    def from_cfg(cls, p) -> PPOConfig:
+    def from_cfg(cls, p):
         """From the `ppo` group (a DictConfig, a mapping or its typed view, rlhf_cli.settings); each value cast by
         its schema entry's kind."""
         return cls(**{f.name: cast(SCHEMA[f"ppo.{f.name}"], p[f.name]) for f in fields(cls)})
@@ -125,3 +77,14 @@ class PPOConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
             raise RlhfError(f"ppo.reward_weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "
                             f"reward source(s) ({', '.join(self.reward)}); give one weight per source, or null")
+
+
+# One frozen field per `ppo.*` key of the schema that is a hyper-parameter (not in NOT_FIELDS, not in a subgroup),
+# in the schema's order, typed as the key's kind casts (rlhf_cli.settings.annotation): the fields are not
+# written a second time here.
+PPOConfig = make_dataclass(
+    "PPOConfig",
+    [(key[4:], annotation(rule)) for key, rule in SCHEMA.items()
+     if key.startswith("ppo.") and "." not in key[4:] and key[4:] not in NOT_FIELDS],
+    bases=(_Hyperparameters,), frozen=True)
+PPOConfig.__module__ = __name__  # where its annotations are read (typing.get_type_hints)
