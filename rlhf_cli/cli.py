@@ -19,7 +19,7 @@ import threading
 
 from omegaconf import OmegaConf
 
-from rlhf_cli import data, hints, launch, quantization, run_logs, schema, settings, supervise
+from rlhf_cli import data, hints, launch, optional, quantization, run_logs, schema, settings, supervise
 from rlhf_cli.config import (
     COMMANDS,
     CONF_DIR,
@@ -209,7 +209,7 @@ def run_stage(cfg) -> dict | None:
             started = True
             rc = _launch(typed, [f"{output[0]}={quote(output[1])}"] if output else [])
             if rc is None:
-                quantization.hide_unused_bitsandbytes(typed)
+                optional.hide_unused(typed)  # bitsandbytes / wandb where the run does not use them
                 module = importlib.import_module(f"rlhf_cli.stages.{command}")
                 module.run(cfg)
             elif rc:

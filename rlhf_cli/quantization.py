@@ -19,7 +19,6 @@ output, `rlhf export`) loads its base unquantized, in the run's precision; `rlhf
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 from rlhf_cli.errors import RlhfError
 
@@ -70,13 +69,3 @@ def describe(q: str) -> str:
         return f"nf4: 0.5 B + a 4 B absmax per {NF4_BLOCK} = {BYTES_PER_WEIGHT[q]:g} B/weight"
     return "int8: 1 B/weight + a 4 B scale per output row"
 
-
-def hide_unused_bitsandbytes(run) -> None:
-    """Without `model.quantization`, a process that has not yet imported transformers or peft never imports
-    bitsandbytes: both import it whenever it is installed (it is with the [qlora] extra), which costs about a
-    fifth of a stage's start-up (it pulls in torch's compiler) and prints a line about a kernel hub. Hidden the way
-    Python marks a module it could not import (`sys.modules[name] = None`): `find_spec` then reads it as absent,
-    and transformers / peft skip their bitsandbytes layers. A process that imported them already (a test process
-    running the CLI in-process) keeps what it has."""
-    if mode(run.get("model")) is None and not {"bitsandbytes", "transformers", "peft"} & sys.modules.keys():
-        sys.modules["bitsandbytes"] = None

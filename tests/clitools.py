@@ -85,8 +85,8 @@ def _process_state(cwd: Path, stdin: str, tmp: Path):
     import warnings
 
     import torch
-    import transformers  # noqa: F401 - imported before any in-process run: a run never hides bitsandbytes from
-    # this process (quantization.hide_unused_bitsandbytes), which later QLoRA tests in it load
+    import transformers  # noqa: F401 - imported before any in-process run: a run never hides bitsandbytes or
+    # wandb from this process (rlhf_cli.optional), which later QLoRA and wandb tests in it load
 
     got: dict[str, str] = {}
     saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()

@@ -15,7 +15,7 @@ RANKS = {
     "rlhf_cli.run_logs": 1, "rlhf_cli.run_lock": 1, "rlhf_cli.quantization": 1, "rlhf_cli.hardware": 1,
     "rlhf_cli.settings": 1,
     "rlhf_cli.tracking": 2, "rlhf_cli.models": 2, "rlhf_cli.memory": 2, "rlhf_cli.resume": 2, "rlhf_cli.own_data": 2,
-    "rlhf_cli.cards": 2, "rlhf_cli.learned": 2, "rlhf_cli.sources": 2,
+    "rlhf_cli.cards": 2, "rlhf_cli.learned": 2, "rlhf_cli.sources": 2, "rlhf_cli.optional": 3,
     "rlhf_cli.accel": 3, "rlhf_cli.ppo.core": 2,
     "rlhf_cli.ppo": 4,
     "rlhf_cli.stages": 5,

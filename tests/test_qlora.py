@@ -318,21 +318,3 @@ def test_export_merges_a_4bit_adapter_into_plain_weights(run_cli, base, tok, tmp
     ids = tok(["hello there"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expect(ids).logits, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("quant,loaded", [("none", False), ("4bit", True)])
-def test_a_new_process_imports_bitsandbytes_only_for_a_quantized_run(quant, loaded):
-    """peft and transformers import bitsandbytes whenever it is installed (a fifth of a stage's start-up); a
-    process that runs without model.quantization never loads it, and a quantized one does."""
-    bnb()
-    import subprocess
-    import sys
-
-    script = ("import sys\nfrom rlhf_cli import quantization\nfrom rlhf_cli.config import compose\n"
-              "from rlhf_cli.settings import of\n"
-              f"quantization.hide_unused_bitsandbytes(of(compose('sft', ['model.quantization={quant}'])))\n"
-              "import peft\nfrom transformers.utils import is_bitsandbytes_available\n"
-              "print(sys.modules.get('bitsandbytes') is not None, is_bitsandbytes_available())\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [str(loaded), str(loaded)]
