@@ -135,30 +135,20 @@ def _from_pretrained(auto_cls, path, model_cfg, quant=None, **kw):
         raise RlhfError(f"the model files in {path} cannot be read ({type(e).__name__}: {first}); they may be "
                         "truncated or corrupt: copy or download them again, or re-run the stage that wrote them") from e
     if getattr(quant, "load_in_4bit", False):
-        _check_4bit_widths(model, path)
+        _keep_the_trained_4bit_forward(model)
     return model
 
 
-def _check_4bit_widths(model, path) -> None:
-    """bitsandbytes' 4-bit CPU kernel for CPUs with AVX512-BF16 repacks each frozen layer for inference by blocks
-    of 64 input columns and fails on a layer with fewer or a remainder (a shape error deep in its repacking, at the
-    first forward without gradients): refused here, in one line, before any step. Real models' widths are
-    multiples of 64; a toy one may not be."""
-    if model.device.type != "cpu":
-        return
-    import bitsandbytes as bnb
-    from bitsandbytes.functional import has_avx512bf16
-
-    from rlhf_cli.quantization import NF4_BLOCK
-
-    if not has_avx512bf16():
-        return
-    odd = sorted({m.in_features for m in model.modules()
-                  if isinstance(m, bnb.nn.Linear4bit) and m.in_features % NF4_BLOCK})
-    if odd:
-        raise RlhfError(f"model.quantization=4bit cannot run the model in {path} on this CPU: bitsandbytes' 4-bit "
-                        f"kernel for AVX512-BF16 CPUs needs layers whose input width is a multiple of {NF4_BLOCK}, "
-                        f"and it has layers {odd[0]} wide; use model.quantization=8bit or none for this model")
+def _keep_the_trained_4bit_forward(model) -> None:
+    """bitsandbytes' 4-bit layers on a CPU with AVX512-BF16 repack their weights for a faster inference kernel at
+    their first forward in eval mode without gradients (the first sampled batch, the first evaluation) and from then
+    on run every forward through it; it has no backward, so the gradient through the frozen weights (to every
+    adapter below them) dropped out without an error, sampling ran another kernel than scoring, and a layer narrower
+    than 64 inputs failed with a shape error. Every layer here keeps the dequantize-and-matmul forward that trains,
+    on every CPU (bitsandbytes 0.50 reads `support_avx512bf16_for_cpu` at each forward)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 KINDS = {"causal_lm": "causal language model (a policy)", "seq_cls": "sequence classifier (a reward or value model)"}

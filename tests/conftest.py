@@ -12,7 +12,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from clitools import rlhf
-from tinybase import library_base
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,7 +42,11 @@ def run_cli(tmp_path):
 @pytest.fixture(scope="session")
 def base(tmp_path_factory):
     """A tiny random Qwen3 (vocabulary 600, hidden 32, one layer) with its tokenizer, for library tests."""
-    return library_base(tmp_path_factory.mktemp("base") / "base")
+    from rlhf_cli.tiny import build_tiny_base
+
+    return build_tiny_base(tmp_path_factory.mktemp("base") / "base", vocab_size=600, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16)
 
 
 @pytest.fixture(scope="session")
