@@ -14,6 +14,9 @@ import torch
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.precision import autocast_dtype, precision, storage_dtype
 
+# where bitsandbytes, and the kernels package it asks, report its lookup of an optional CPU kernel on a hub
+KERNEL_HUB_LOGGERS = ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub")
+
 log = logging.getLogger("rlhf")
 
 
@@ -48,6 +51,10 @@ def setup_torch(run) -> None:
     warnings.filterwarnings("ignore", message=".*save_embedding_layers.*", category=UserWarning)
     # bitsandbytes' int8 matmul says at every call that it computes in fp16, which is how LLM.int8() works
     warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*", category=UserWarning)
+    # and, imported in a QLoRA run, that it could not fetch an optional CPU kernel from a hub (offline: that it
+    # skipped the hub's trust check): it runs its own
+    for name in KERNEL_HUB_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def setup_cuda() -> None:

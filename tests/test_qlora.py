@@ -311,3 +311,20 @@ def test_export_merges_a_4bit_adapter_into_plain_weights(run_cli, base, tok, tmp
     ids = tok(["hello there"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expect(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_quantized_run_prints_no_kernel_hub_line():
+    """bitsandbytes says at import, at warning level, that it could not fetch an optional CPU kernel from a hub (it
+    runs its own); after the stage's setup a quantized run's output has no such line. A new interpreter: this
+    process imported bitsandbytes long ago."""
+    bnb()
+    import subprocess
+    import sys
+
+    script = ("import logging\nlogging.basicConfig(level=logging.INFO)\nfrom rlhf_cli.config import compose\n"
+              "from rlhf_cli.hardware import setup_torch\nfrom rlhf_cli.settings import of\n"
+              "setup_torch(of(compose('sft', ['model.quantization=4bit', 'device.threads=1'])))\n"
+              "import bitsandbytes\nprint('imported', bitsandbytes.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0 and "imported bitsandbytes" in proc.stdout, proc.stderr[-2000:]
+    assert "kernel" not in (proc.stdout + proc.stderr).lower(), proc.stderr[-2000:]
