@@ -214,6 +214,8 @@ SCHEMA: dict[str, Rule] = {
         "work to do)"),
     "data.max_prompt_length": count(help="tokens; longer prompts are dropped (and counted)"),
     "data.max_rows": whole(1, null=True, help="cap on training rows (null: all)"),
+    "data.max_eval_rows": whole(1, null=True, help="cap on held-out rows, the first after the split (null: all); "
+                                "with data.max_rows, a quick try"),
     "data.ground_truth": Rule("function", choices=GROUND_TRUTH, nullable=True, help="checker of a response, "
         "logged by `rlhf ppo` and reported by `rlhf eval`: demo_polite, a function module:function or "
         "/path/file.py:function (response text -> bool or a number in [0, 1]; it may also ask for `prompt` and the "

@@ -513,6 +513,17 @@ def test_max_rows(tmp_path):
     assert [e.prompt[0]["content"] for e in train] == ["q0", "q1", "q2"]
 
 
+def test_max_eval_rows_caps_the_held_out_rows_only(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "chosen": "a", "rejected": "b"}
+                                              for i in range(10)])
+    held = write_jsonl(tmp_path / "e.jsonl", [{"question": f"e{i}", "chosen": "a", "rejected": "b"}
+                                              for i in range(5)])
+    train, evals = load_examples(data_cfg(path, eval_path=str(held), max_eval_rows=2))
+    assert len(train) == 10 and [e.prompt[0]["content"] for e in evals] == ["e0", "e1"]
+    whole, split = load_examples(data_cfg(path)), load_examples(data_cfg(path, max_eval_rows=1))
+    assert split[0] == whole[0] and split[1] == whole[1][:1]  # the same split, its first held-out row
+
+
 def test_bad_eval_file_is_named(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "chosen": "a", "rejected": "b"}])
     with pytest.raises(RlhfError) as e:
