@@ -8,6 +8,7 @@ second; each stage imports its heavy libraries inside `run(cfg)`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -285,6 +286,28 @@ def _launch(run, extra: list[str] | None = None) -> int | None:
     return supervise.handle(run, [*hc.overrides.task, *(extra or [])], hc.runtime.output_dir)
 
 
+@contextlib.contextmanager
+def _mode_from_the_command_line():
+    """Hydra composes the whole config once more before the run's own composition, only to read `hydra.mode`
+    (hydra issue #3440; about a third of a command's start before the stage). rlhf's configs never set it
+    (tests/test_config.py), so it is read from the command line, where a user may give it, and otherwise left
+    to the flags (`-m`), as Hydra does when the composed config has none."""
+    from hydra._internal.hydra import Hydra
+
+    full = Hydra.get_mode
+
+    def get_mode(self, config_name, overrides):
+        if any(o.split("=", 1)[0].lstrip("+~") == "hydra.mode" for o in overrides):
+            return full(self, config_name, overrides)
+        return None
+
+    Hydra.get_mode = get_mode
+    try:
+        yield
+    finally:
+        Hydra.get_mode = full
+
+
 def _hydra_app():
     import hydra
 
@@ -335,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         except RlhfError as e:
             fail(command, str(e))
         return
-    multirun = any(f in ("-m", "--multirun") for f in flags) and not any(
+    multirun = (any(f in ("-m", "--multirun") for f in flags) or "hydra.mode=MULTIRUN" in overrides) and not any(
         f in ("--cfg", "-c", "--info", "-i", "--help", "-h") for f in flags)
     if multirun:
         excludes = dirname_excludes(hydra_overrides)
@@ -351,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [f"rlhf {command}", *flags, *hydra_overrides]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own failures come here as exceptions, not its multi-line report
     try:
-        _hydra_app()()
+        with _mode_from_the_command_line():
+            _hydra_app()()
     except Exception as e:  # noqa: BLE001 - raised before or around the stage (which reports its own errors)
         fail(command, hydra_failure(e))
     if _failed_jobs:

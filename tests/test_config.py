@@ -53,6 +53,19 @@ def test_every_recipe_composes_and_resolves_for_every_command(recipe, command):
     ppo_sizes(cfg.ppo)
 
 
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_no_config_of_rlhf_sets_hydra_mode(recipe):
+    """rlhf_cli.cli reads hydra.mode from the command line only (Hydra would compose the config once more to find
+    it there): no config group or shipped recipe may set it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = hydra_compose(config_name="config", overrides=translate_overrides("sft", [f"recipe={recipe}"]),
+                            return_hydra_config=True)
+    assert cfg.hydra.mode is None
+
+
 def test_default_recipe_is_tiny_on_cpu_with_demo_data():
     cfg = compose("sft")
     assert cfg.recipe == "tiny"

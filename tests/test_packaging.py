@@ -19,6 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from clitools import EVAL_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +127,7 @@ def test_installed_wheel_runs_from_an_empty_directory(wheel, tmp_path):
     lines = {ln.split()[0]: ln for ln in p.stdout.splitlines()
              if ln.strip() and not ln.startswith((" ", "searched", "`"))}  # a row, not its wrapped summary
     assert "shipped" in lines["tiny"] and "recipes/my-tiny.yaml" in lines["my-tiny"]
-    p = run("sft", "sft.max_steps=2", "device.threads=1", "data.max_rows=64")  # the shipped data, 64 rows of it
+    p = run("sft", "sft.max_steps=2", "device.threads=1", "data.max_rows=64", EVAL_ROWS)  # the shipped data, 64 rows of it
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = json.loads((work / "runs" / "tiny" / "sft" / "metrics.json").read_text())
     assert metrics["steps"] == 2
@@ -178,7 +179,7 @@ def test_help_and_recipe_listing_import_no_torch():
 # ------------------------------------------------------------------------------------------------ multirun
 @pytest.mark.slow
 def test_multirun_jobs_get_their_own_directories_and_a_summary(run_cli, tmp_path):
-    rc, out, err = run_cli("sft", "-m", "sft.max_steps=2,3", "device.threads=1", "data.max_rows=64",
+    rc, out, err = run_cli("sft", "-m", "sft.max_steps=2,3", "device.threads=1", "data.max_rows=64", EVAL_ROWS,
                            timeout=900)
     assert rc == 0, err[-3000:]
     assert not (tmp_path / "runs" / "tiny" / "sft").exists()  # the run's own sft/ is left alone
@@ -208,6 +209,17 @@ def test_multirun_reports_failed_jobs_and_goes_on(run_cli, tmp_path):
     (sweep,) = (tmp_path / "runs" / "tiny" / "multirun" / "sft").iterdir()
     lines = (sweep / "summary.txt").read_text().splitlines()[1:]
     assert len(lines) == 2 and all("failed: sft.learning_rate=" in ln for ln in lines)
+
+
+def test_hydra_mode_multirun_on_the_command_line_sweeps_as_dash_m_does(run_cli, tmp_path):
+    """rlhf_cli.cli reads hydra.mode from the command line only (it skips Hydra's extra composition that looks
+    for it in the config): given there, it sweeps, with the job names of `-m`."""
+    rc, out, err = run_cli("sft", "hydra.mode=MULTIRUN", "sft.learning_rate=-1,0", timeout=600)
+    assert rc != 0 and "Traceback" not in out + err
+    assert "job 0_sft.learning_rate=-1: sft.learning_rate=-1 is out of range" in err
+    assert "job 1_sft.learning_rate=0:" in err
+    (sweep,) = (tmp_path / "runs" / "tiny" / "multirun" / "sft").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_sft.learning_rate=-1", "1_sft.learning_rate=0"]
 
 
 def test_headline_metrics_by_command(tmp_path):
@@ -306,7 +318,7 @@ def test_ppo_writer_logs_tensorboard_and_wandb_offline(wandb_offline):
 
 @pytest.mark.slow
 def test_sft_logs_to_wandb_offline_beside_tensorboard(run_cli, wandb_offline):
-    rc, _, err = run_cli("sft", "sft.max_steps=1", "device.threads=1", "data.max_rows=64",
+    rc, _, err = run_cli("sft", "sft.max_steps=1", "device.threads=1", "data.max_rows=64", EVAL_ROWS,
                          "logging.report_to=[tensorboard,wandb]", timeout=900)
     assert rc == 0, err[-3000:]
     assert list((wandb_offline / "runs" / "tiny" / "sft" / "tensorboard").rglob("events.out.tfevents.*"))
