@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from clitools import rlhf
+from clitools import EVAL_ROWS, rlhf
 
 from rlhf_cli.identity import identity
 
@@ -28,11 +28,11 @@ def ok(proc):
 def retrained(tmp_path_factory):
     """A run whose PPO adapter was trained on an SFT model that was then retrained: (cwd, identity then, now)."""
     cwd = tmp_path_factory.mktemp("adapter")
-    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2", ROWS))
+    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2", ROWS, EVAL_ROWS))
     ok(rlhf(cwd, "ppo", *PPO))
     then = identity(cwd / RUN / "sft")
     assert json.loads((cwd / RUN / "ppo" / "adapter_base.json").read_text())["identity"] == then
-    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3", ROWS))
+    ok(rlhf(cwd, "sft", "recipe=tiny-rule", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3", ROWS, EVAL_ROWS))
     now = identity(cwd / RUN / "sft")
     assert now != then
     return cwd, then, now

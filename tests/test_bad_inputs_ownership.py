@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from clitools import RLHF, cli_env, rlhf
+from clitools import EVAL_ROWS, RLHF, cli_env, rlhf
 
 from rlhf_cli.io import OUTPUT_MARKER, atomic_dir
 
@@ -138,7 +138,7 @@ def chain(tmp_path_factory):
     batches of 16 need no more)."""
     cwd = tmp_path_factory.mktemp("own")
     for stage in ("sft", "reward"):
-        proc = rlhf(cwd, stage, "device.threads=1", f"{stage}.max_steps=2", f"{stage}.eval_steps=2",
+        proc = rlhf(cwd, stage, "device.threads=1", f"{stage}.max_steps=2", f"{stage}.eval_steps=2", EVAL_ROWS,
                     "data.max_rows=64")
         assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd
@@ -158,12 +158,30 @@ def planted_interrupted_run(cwd: Path, name: str) -> Path:
     return partial
 
 
+# the first run's reward function: it scores once ./GO exists, so the first run is still going while the second
+# tries, however slow the machine (a safety net of 10 minutes ends it with an error instead of hanging)
+HELD = '''
+import time
+from pathlib import Path
+
+
+def score(prompts, responses, **kw):
+    deadline = time.monotonic() + 600
+    while not Path("GO").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("no GO file after 10 minutes")
+        time.sleep(0.05)
+    return [0.0 for _ in responses]
+'''
+
+
 @pytest.mark.slow
 def test_a_second_concurrent_run_exits_at_once_naming_the_first(chain):
     out, lock = chain / RUN / "ppo-two", chain / RUN / ".ppo-two.lock"
     before = inputs_of(chain)
+    (chain / "held.py").write_text(HELD, encoding="utf-8")
     with open(chain / "first.log", "w") as log:  # a file, not a pipe: the progress bar would fill a pipe
-        first = subprocess.Popen([str(RLHF), "ppo", *SMALL_PPO, "ppo.total_episodes=1024", "ppo.save_every=0",
+        first = subprocess.Popen([str(RLHF), "ppo", *SMALL_PPO, "ppo.save_every=0", "ppo.reward=[held.py:score]",
                                   f"ppo.output_dir={RUN}/ppo-two"], cwd=chain, env=cli_env(), stdout=log,
                                  stderr=subprocess.STDOUT)
     try:
@@ -177,17 +195,19 @@ def test_a_second_concurrent_run_exits_at_once_naming_the_first(chain):
         assert first.poll() is None  # the second did not wait for the first
         line = one_error_line(second, "ppo")
         assert f"{RUN}/ppo-two is in use by another run: pid {first.pid} on {socket.gethostname()}, `rlhf ppo " \
-               in line and "ppo.total_episodes=1024" in line and ", since 20" in line, line
+               in line and "ppo.reward=[held.py:score]" in line and ", since 20" in line, line
         assert not list((chain / RUN).glob(".ppo-two.tmp-*")) and not out.exists()
+        (chain / "GO").touch()
         assert first.wait(timeout=1500) == 0, (chain / "first.log").read_text()[-3000:]
     finally:
+        (chain / "GO").touch()
         if first.poll() is None:
             first.kill()
             first.wait()
     # the output is the first run's alone, and nothing of the second's is left
     metrics = json.loads((out / "metrics.json").read_text())
     marker = json.loads((out / OUTPUT_MARKER).read_text())
-    assert metrics["total_episodes"] == 1024 and marker["pid"] == first.pid and marker["kind"] == "ppo"
+    assert metrics["total_episodes"] == 64 and marker["pid"] == first.pid and marker["kind"] == "ppo"
     assert not lock.exists() and not (chain / RUN / ".ppo-two.partial").exists()
     assert inputs_of(chain) == before
 

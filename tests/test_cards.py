@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from clitools import EVAL_ROWS
 
 from rlhf_cli import __version__, cards
 
@@ -71,7 +72,8 @@ def check_card(run: Path, name: str) -> None:
     assert [s["stage"] for s in rec["stages"]] == CHAINS[name], name
     sft = rec["stages"][0]
     assert sft["data"] == {"train_file": "math_train.jsonl", "eval_file": "math_test.jsonl", "train_rows": 4214,
-                           "eval_rows": 400}, name  # the right sums and the near misses (sft_on_rejected)
+                           "eval_rows": 64}, name  # the right sums and the near misses (sft_on_rejected), of the
+    # 32 held-out rows the run keeps (EVAL_ROWS)
     assert sft["settings"]["max_steps"] == 10 and "eval_loss_end" in sft["eval"], name
     text = (d / "README.md").read_text()
     assert text.split("\n---\n", 1)[1].lstrip().startswith(f"# {Path(DIRS[name]).name}: ")
@@ -86,7 +88,7 @@ def test_every_published_model_has_a_card_that_loads_and_no_absolute_path(run_cl
     directory's card, and its snippet run as written."""
     from transformers import AutoModelForSequenceClassification
 
-    common = ["recipe=tiny-math", "device.threads=1"]
+    common = ["recipe=tiny-math", "device.threads=1", EVAL_ROWS]
     for args in (["sft", "sft.max_steps=10", "sft.eval_steps=10"], ["reward", "reward.max_steps=4"],
                  ["ppo", "ppo.total_episodes=64", "ppo.eval_every=1", "ppo.keep_best=eval/pass_at_1",
                   "ppo.merge=true", "eval.num_prompts=8"],

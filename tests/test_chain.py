@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from clitools import rlhf
+from clitools import EVAL_ROWS, rlhf
 
 RLHF = Path(sys.executable).with_name("rlhf")
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # Short but real: enough steps for the SFT loss to fall and the reward model to separate the demo pairs.
 QUICK = ["device.threads=1", "sft.max_steps=120", "sft.eval_steps=60", "reward.max_steps=80",
          "reward.eval_steps=40", "ppo.total_episodes=96", "ppo.num_mini_batches=1", "ppo.save_every=1",
-         "eval.num_prompts=32"]
+         "eval.num_prompts=32", "data.max_eval_rows=64"]
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -117,7 +117,7 @@ def test_readme_eval_of_sft_ppo_and_dpo(chain):
     lines = [ln for ln in re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).splitlines() if ln.strip()]
     assert [ln.split()[:2] for ln in lines] == [["rlhf", "dpo"], ["rlhf", "eval"]], lines
     out = chain / "runs/tiny/eval-three"
-    short = {"dpo": ["dpo.max_steps=4", "dpo.eval_steps=100", "dpo.logging_steps=2", "data.max_rows=64"],
+    short = {"dpo": ["dpo.max_steps=4", "dpo.eval_steps=100", "dpo.logging_steps=2", "data.max_rows=64", EVAL_ROWS],
              "eval": ["eval.num_prompts=8", f"eval.output_dir={out}"]}
     for ln in lines:
         args = shlex.split(ln, comments=True)[1:]

@@ -205,6 +205,9 @@ def test_atomic_dir_single_writer_uses_its_own_name(tmp_path, monkeypatch):
 DDP = ["device=cpu-ddp", "device.num_processes=2", "device.threads=1"]
 # a few hundred training rows: each process tokenizes all of them, and 10 steps need no more than that
 ROWS = "data.max_rows=256"
+# held-out rows: 74 sequences of SFT (both answers), not a multiple of 2 processes × 16, so the eval gathers a
+# padded last batch
+HELD_OUT = "data.max_eval_rows=37"
 # the chain's PPO run, checkpointed at every update: test_two_process_ppo_counts_outputs_and_resume resumes it
 PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1", "ppo.save_every=1"]
 
@@ -213,10 +216,10 @@ PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1",
 def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     run = root / "runs" / "tiny"
-    rc, out, err = rlhf(root, "sft", *DDP, ROWS, "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5")
+    rc, out, err = rlhf(root, "sft", *DDP, ROWS, HELD_OUT, "sft.max_steps=10", "sft.eval_steps=5", "sft.logging_steps=5")
     assert rc == 0, err[-3000:]
     assert "accelerate launch" in out + err and "--num_processes 2" in out + err  # through the launcher
-    rc, out, err = rlhf(root, "reward", *DDP, ROWS, "reward.max_steps=10", "reward.eval_steps=5")
+    rc, out, err = rlhf(root, "reward", *DDP, ROWS, HELD_OUT, "reward.max_steps=10", "reward.eval_steps=5")
     assert rc == 0, err[-3000:]
     # rank 0 prints the result line, rank 1's stdout is silenced
     assert sum(line.startswith("reward: held-out accuracy") for line in out.splitlines()) == 1
@@ -254,7 +257,7 @@ def test_two_process_eval_loss_matches_one_process(chain):
     root, run = chain
     one = root / "one"
     rc, _, err = one_process(root, "sft", f"run_dir={one}", f"model.tiny.dir={run / 'base'}", "device.threads=1",
-                      "sft.max_steps=1", "sft.eval_steps=100", "data.max_rows=64")
+                      "sft.max_steps=1", "sft.eval_steps=100", "data.max_rows=64", HELD_OUT)
     assert rc == 0, err[-3000:]
     a = read(run / "sft" / "metrics.json")["eval_loss_start"]
     b = read(one / "sft" / "metrics.json")["eval_loss_start"]
@@ -323,7 +326,7 @@ def test_two_process_fsdp_sft_saves_full_weights(chain):
     root, run = chain
     out = root / "fsdp-sft"
     rc, _, err = rlhf(root, "sft", "device=fsdp", "device.accelerator=cpu", "device.threads=1",
-                      "device.num_processes=2", "sft.max_steps=4", "sft.eval_steps=100", ROWS,
+                      "device.num_processes=2", "sft.max_steps=4", "sft.eval_steps=100", ROWS, HELD_OUT,
                       f"sft.output_dir={out}")
     assert rc == 0, err[-3000:]
     assert read(out / "metrics.json")["steps"] == 4

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from clitools import rlhf
+from clitools import EVAL_ROWS, rlhf
 from test_resume_sft_reward import error_line, ok, start, wait_for_checkpoint
 
 from rlhf_cli import memory as M
@@ -22,7 +22,7 @@ from rlhf_cli.errors import RlhfError
 STEPS = 8
 SHORT = ["recipe=tiny-dpo", "device.threads=1", "sft.max_steps=4", "sft.eval_steps=100", f"dpo.max_steps={STEPS}",
          "dpo.eval_steps=100", "dpo.logging_steps=2", "dpo.per_device_train_batch_size=4", "eval.num_prompts=8",
-         "eval.batch_size=8", "data.max_rows=64"]
+         "eval.batch_size=8", "data.max_rows=64", EVAL_ROWS]
 LORA = ["dpo.lora.enabled=true", "dpo.learning_rate=1e-3"]  # the recipe trains every weight
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from clitools import EVAL_ROWS
 from test_dist import LONG_TEST, SAFETY_S, _gone, _tagged, _workers, one_process, read, rlhf, rlhf_process
 
 FSDP = ["device=cpu-fsdp", "device.threads=1"]
@@ -61,8 +62,8 @@ def runs(tmp_path_factory):
     they test), then the same PPO run on fsdp and on ddp."""
     root = tmp_path_factory.mktemp("fsdp")
     run = root / "runs" / "tiny"
-    for args in (["sft", "sft.max_steps=10", "sft.eval_steps=100", "sft.logging_steps=5", ROWS],
-                 ["reward", "reward.max_steps=10", "reward.eval_steps=100", ROWS]):
+    for args in (["sft", "sft.max_steps=10", "sft.eval_steps=100", "sft.logging_steps=5", ROWS, EVAL_ROWS],
+                 ["reward", "reward.max_steps=10", "reward.eval_steps=100", ROWS, EVAL_ROWS]):
         rc, _, err = one_process(root, *args, "device.threads=1")
         assert rc == 0, err[-3000:]
     rc, out, err = rlhf(root, "ppo", *FSDP, *PPO, f"ppo.output_dir={run / 'ppo-fsdp'}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from clitools import EVAL_ROWS
 
 from rlhf_cli.errors import RlhfError
 from rlhf_cli.io import OUTPUT_MARKER
@@ -86,7 +87,7 @@ def test_push_refuses_what_is_no_published_model(tmp_path):
 @pytest.mark.slow
 def test_rlhf_push_dry_run_lists_the_files_and_offline_is_one_line(run_cli, tmp_path):
     rc, _, err = run_cli("sft", "recipe=tiny-math", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2",
-                         "data.max_rows=64")
+                         "data.max_rows=64", EVAL_ROWS)
     assert rc == 0, err[-3000:]
     sft = tmp_path / "runs/tiny-math/sft"
     rc, out, err = run_cli("push", f"push.dir={sft}", "push.repo_id=me/tiny-sft", "push.dry_run=true")

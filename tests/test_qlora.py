@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clitools import EVAL_ROWS
 
 from rlhf_cli import memory as M
 from rlhf_cli import quantization
@@ -18,7 +19,7 @@ from rlhf_cli.settings import of
 
 SFT_STEP = ["device.threads=1", "model.quantization=4bit", "sft.lora.enabled=true", "sft.max_steps=2",
             "sft.eval_steps=100", "sft.per_device_train_batch_size=4", "sft.per_device_eval_batch_size=8",
-            "data.max_rows=48"]
+            "data.max_rows=48", EVAL_ROWS]
 
 
 def bnb():

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from clitools import rlhf
+from clitools import EVAL_ROWS, rlhf
 
 import rlhf_cli
 
@@ -42,7 +42,7 @@ def stopped(tmp_path_factory):
     reward.write_text(REWARD, encoding="utf-8")
     cwd = root / "work"
     cwd.mkdir()
-    proc = rlhf(cwd, "sft", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2", "data.max_rows=64")
+    proc = rlhf(cwd, "sft", "device.threads=1", "sft.max_steps=2", "sft.eval_steps=2", "data.max_rows=64", EVAL_ROWS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shutil.copy(Path(rlhf_cli.__file__).parent / "demo" / "data" / "polite_train.jsonl", cwd / "data.jsonl")
     (cwd / "FAIL").touch()
@@ -126,7 +126,7 @@ def test_force_continues_with_the_new_kl_coef(run_cli, run):
 
 def test_a_retrained_sft_model_is_named_on_resume(run_cli, run):
     cwd, args = run
-    rc, _, err = run_cli("sft", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3", "data.max_rows=64",
+    rc, _, err = run_cli("sft", "device.threads=1", "sft.max_steps=3", "sft.eval_steps=3", "data.max_rows=64", EVAL_ROWS,
                          "run_dir=runs/tiny", cwd=cwd)
     assert rc == 0, err[-3000:]
     line = refused(run_cli, cwd, *args, "ppo.resume=true")

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from clitools import RLHF, cli_env, rlhf
+from clitools import EVAL_ROWS, RLHF, cli_env, rlhf
 
 STEPS, EVERY = 20, 5
 # 20 steps, a checkpoint every 5, evaluations only at the start and at the end; 400 training rows, one epoch of
 # batches of 16 (every run tokenizes all its rows: the whole demo file would be 3,000)
 SMALL = ["device.threads=1", f"sft.max_steps={STEPS}", f"sft.save_steps={EVERY}", f"sft.eval_steps={STEPS}",
-         f"reward.max_steps={STEPS}", f"reward.save_steps={EVERY}", f"reward.eval_steps={STEPS}", "data.max_rows=400"]
+         f"reward.max_steps={STEPS}", f"reward.save_steps={EVERY}", f"reward.eval_steps={STEPS}", "data.max_rows=400", EVAL_ROWS]
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -196,7 +196,7 @@ def sft_run(run_dir: Path, tiny_base: Path, *overrides: str):
     from rlhf_cli.stages._common import Checkpoints
 
     cfg = compose("sft", [f"run_dir={run_dir}", f"model.tiny.dir={tiny_base}", "device.threads=1",
-                          "data.max_rows=64", "sft.max_steps=4", "sft.save_steps=2", "sft.eval_steps=4", *overrides])
+                          "data.max_rows=64", EVAL_ROWS, "sft.max_steps=4", "sft.save_steps=2", "sft.eval_steps=4", *overrides])
     setup_torch(of(cfg))
     ckpt = Checkpoints.start(of(cfg), "sft", run_shape(cfg, "sft"))
     return ckpt, sft.build_trainer(of(cfg), ckpt.work)[0]

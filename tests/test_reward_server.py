@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from clitools import EVAL_ROWS
 from test_bad_inputs_ownership import one_error_line, rlhf, tree  # the real CLI, one error line, hashed trees
 
 from rlhf_cli.config import compose
@@ -333,7 +334,7 @@ PPO = ["device.threads=1", "ppo.value_init=sft", "ppo.num_mini_batches=1", "ppo.
 def sft(tmp_path_factory):
     """A working directory with the tiny recipe's runs/tiny/sft, trained for a few steps."""
     cwd = tmp_path_factory.mktemp("server")
-    proc = rlhf(cwd, "sft", "device.threads=1", "sft.max_steps=4", "sft.eval_steps=4", "data.max_rows=64")
+    proc = rlhf(cwd, "sft", "device.threads=1", "sft.max_steps=4", "sft.eval_steps=4", "data.max_rows=64", EVAL_ROWS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clitools import rlhf
+from clitools import EVAL_ROWS, rlhf
 
 from rlhf_cli.config import compose
 from rlhf_cli.errors import RlhfError
@@ -161,7 +161,7 @@ def trained(tmp_path_factory, tiny_base):
     """A working directory with a good sft and reward output (a few steps each); returns (cwd, common args)."""
     cwd = tmp_path_factory.mktemp("stages")
     common = [f"model.tiny.dir={tiny_base}", "device.threads=1", "data.max_rows=64", "reward.init_from=base",
-              "sft.eval_steps=1000", "reward.eval_steps=1000"]
+              "sft.eval_steps=1000", "reward.eval_steps=1000", EVAL_ROWS]
     for command in ("sft", "reward"):
         proc = rlhf(cwd, command, *common, f"{command}.max_steps=2", f"{command}.logging_steps=1")
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from clitools import EVAL_ROWS
 
 from rlhf_cli.demo import arithmetic
 from rlhf_cli.ppo import evaluation
@@ -133,7 +134,7 @@ def test_rlhf_eval_reports_pass_at_k_and_the_truncation_rate(run_cli, tmp_path):
     """A short tiny-math SFT, then `rlhf eval eval.samples_per_prompt=3`: report.json and report.md carry pass@1,
     pass@3, mean@3, the truncation rate and the cap; pass@k recomputed from responses.jsonl agrees."""
     rc, _, err = run_cli("sft", "recipe=tiny-math", "device.threads=1", "sft.max_steps=20", "sft.eval_steps=20",
-                         "data.max_rows=320")  # the 20 steps of 16 (every run tokenizes all its rows)
+                         "data.max_rows=320", EVAL_ROWS)  # the 20 steps of 16 (every run tokenizes all its rows)
     assert rc == 0, err[-3000:]
     rc, out, err = run_cli("eval", "recipe=tiny-math", "device.threads=1", "eval.policies.ppo=null",
                            "eval.reward_dir=null", "eval.num_prompts=8", "eval.samples_per_prompt=3",
