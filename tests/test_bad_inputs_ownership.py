@@ -129,7 +129,8 @@ def test_cases_cover_every_command_that_writes():
 
 
 # --------------------------------------------------------------------- PPO against a two-step sft and reward
-SMALL_PPO = ["device.threads=1", "ppo.total_episodes=64", "ppo.num_mini_batches=1", "ppo.save_every=1"]
+# the tiny recipe evaluates after the last update: on 32 held-out prompts (EVAL_ROWS), not 256
+SMALL_PPO = ["device.threads=1", "ppo.total_episodes=64", "ppo.num_mini_batches=1", "ppo.save_every=1", EVAL_ROWS]
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,7 @@ ROWS = "data.max_rows=256"
 # padded last batch
 HELD_OUT = "data.max_eval_rows=37"
 # the chain's PPO run, checkpointed at every update: test_two_process_ppo_counts_outputs_and_resume resumes it
-PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1", "ppo.save_every=1"]
+PPO = ["ppo.total_episodes=128", "ppo.num_mini_batches=1", "ppo.sample_every=1", "ppo.save_every=1", HELD_OUT]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from clitools import EVAL_ROWS
 
 from rlhf_cli import memory as M
 from rlhf_cli.config import compose
@@ -460,8 +461,8 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MALLOC_MMAP_THRESHOLD_"):
         env.pop(k, None)
     common = [f"run_dir={tmp_path / 'run'}", "device.threads=1"]
-    stages = (("sft", ["sft.max_steps=5", "sft.eval_steps=100"]),
-              ("reward", ["reward.max_steps=5", "reward.eval_steps=100"]),
+    stages = (("sft", ["sft.max_steps=5", "sft.eval_steps=100", EVAL_ROWS]),
+              ("reward", ["reward.max_steps=5", "reward.eval_steps=100", EVAL_ROWS]),
               ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0", "device.fast_paths=off"]),
               ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16", "device.fast_paths=off"]))
     runs = [[stage.split("+")[0], *common, *ov] for stage, ov in stages for _ in range(2)]

@@ -327,7 +327,7 @@ def test_a_reward_beyond_reward_max_abs_stops_at_once():
 
 # ------------------------------------------------------------------------------------ the real `rlhf ppo`
 RUN = Path("runs/tiny")
-PPO = ["device.threads=1", "ppo.value_init=sft", "ppo.num_mini_batches=1", "ppo.save_every=1"]
+PPO = ["device.threads=1", "ppo.value_init=sft", "ppo.num_mini_batches=1", "ppo.save_every=1", EVAL_ROWS]
 
 
 @pytest.fixture(scope="module")
