@@ -464,7 +464,9 @@ def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):
     stages = (("sft", ["sft.max_steps=5", "sft.eval_steps=100", EVAL_ROWS]),
               ("reward", ["reward.max_steps=5", "reward.eval_steps=100", EVAL_ROWS]),
               ("ppo", ["ppo.total_episodes=128", "ppo.eval_every=0", "device.fast_paths=off"]),
-              ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16", "device.fast_paths=off"]))
+              # one evaluation chunk (eval.batch_size 64) of held-out prompts: the plan's evaluation item
+              ("ppo+eval", ["ppo.total_episodes=128", "ppo.eval_every=16", "eval.num_prompts=64",
+                            "device.fast_paths=off"]))
     runs = [[stage.split("+")[0], *common, *ov] for stage, ov in stages for _ in range(2)]
     (tmp_path / "runs.json").write_text(json.dumps(runs), encoding="utf-8")
     p = subprocess.run([sys.executable, str(PROBE), "--fork", str(tmp_path / "runs.json")], cwd=tmp_path, env=env,

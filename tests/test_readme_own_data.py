@@ -27,9 +27,9 @@ SHORT_TINY = """# @package _global_
 defaults:
   - tiny
   - _self_
-sft: {max_steps: 30, eval_steps: 30}
-reward: {max_steps: 20, eval_steps: 20}
-ppo: {total_episodes: 128, eval_every: 0}
+sft: {max_steps: 10, eval_steps: 10}
+reward: {max_steps: 10, eval_steps: 10}
+ppo: {total_episodes: 64, eval_every: 0}
 eval: {num_prompts: 16}
 """
 
