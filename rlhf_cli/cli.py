@@ -286,6 +286,15 @@ def _launch(run, extra: list[str] | None = None) -> int | None:
     return supervise.handle(run, [*hc.overrides.task, *(extra or [])], hc.runtime.output_dir)
 
 
+def _hydra_mode(overrides: list[str]) -> str | None:
+    """The value of a `hydra.mode` override (also `+hydra.mode` / `++hydra.mode`), else None."""
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and key.lstrip("+~") == "hydra.mode":
+            return value
+    return None
+
+
 @contextlib.contextmanager
 def _mode_from_the_command_line():
     """Hydra composes the whole config once more before the run's own composition, only to read `hydra.mode`
@@ -297,9 +306,7 @@ def _mode_from_the_command_line():
     full = Hydra.get_mode
 
     def get_mode(self, config_name, overrides):
-        if any(o.split("=", 1)[0].lstrip("+~") == "hydra.mode" for o in overrides):
-            return full(self, config_name, overrides)
-        return None
+        return full(self, config_name, overrides) if _hydra_mode(overrides) is not None else None
 
     Hydra.get_mode = get_mode
     try:
@@ -358,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         except RlhfError as e:
             fail(command, str(e))
         return
-    multirun = (any(f in ("-m", "--multirun") for f in flags) or "hydra.mode=MULTIRUN" in overrides) and not any(
+    multirun = (any(f in ("-m", "--multirun") for f in flags) or _hydra_mode(overrides) == "MULTIRUN") and not any(
         f in ("--cfg", "-c", "--info", "-i", "--help", "-h") for f in flags)
     if multirun:
         excludes = dirname_excludes(hydra_overrides)

@@ -353,8 +353,8 @@ def load_examples(data_cfg, need_rejected: bool = True,
         evals = drop_empty_answers(evals, str(data_cfg.eval_path or data_cfg.train_path), need_rejected)
     if data_cfg.max_rows:
         train = train[: int(data_cfg.max_rows)]
-    if data_cfg.get("max_eval_rows"):
-        evals = evals[: int(data_cfg.max_eval_rows)]
+    if data_cfg.get("max_eval_rows"):  # .get: a data group of its own may lack the key
+        evals = evals[: int(data_cfg.get("max_eval_rows"))]
     if not train:
         raise RlhfError(f"{data_cfg.train_path}: no training rows left after splitting/filtering")
     return train, evals

@@ -68,4 +68,3 @@ def describe(q: str) -> str:
     if q == "4bit":
         return f"nf4: 0.5 B + a 4 B absmax per {NF4_BLOCK} = {BYTES_PER_WEIGHT[q]:g} B/weight"
     return "int8: 1 B/weight + a 4 B scale per output row"
-

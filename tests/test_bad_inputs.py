@@ -32,6 +32,7 @@ CASES = [
     Case("sft sft.gradient_accumulation_steps=0", "sft.gradient_accumulation_steps=0 is out of range"),
     Case("sft sft.max_steps=0", "sft.max_steps=0 is out of range; use -1 or a whole number ≥ 1"),
     Case("sft sft.max_steps=ten", "sft.max_steps=ten is not an integer"),
+    Case("sft data.max_eval_rows=0", "data.max_eval_rows=0 is out of range; use a whole number ≥ 1, or null"),
     Case("sft +sft.max_step=2", "sft.max_step is not a config key; did you mean sft.max_steps?"),
     Case("sft sft.max_step=2", "sft.max_step is not a config key; did you mean sft.max_steps?"),
     Case("sft sft.warmup_ratio=1.5", "sft.warmup_ratio=1.5 is out of range; use a number in [0, 1)"),
