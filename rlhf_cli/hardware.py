@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import warnings
 
 import torch
@@ -37,13 +38,11 @@ def setup_torch(run) -> None:
     seed = int(run.seed)
     random.seed(seed)
     torch.manual_seed(seed)
-    import datasets
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    datasets.utils.logging.disable_progress_bar()
-    datasets.utils.logging.set_verbosity_error()
+    quiet_datasets()
     # library-internal notices a user cannot act on: peft reads a renamed transformers attribute, and warns about
     # a LoRA on a tied lm_head, which merge_lora and merged sampling handle (the embeddings stay as they are)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -55,6 +54,20 @@ def setup_torch(run) -> None:
     # skipped the hub's trust check): it runs its own
     for name in KERNEL_HUB_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_datasets() -> None:
+    """datasets without progress bars or notices: told directly where it is imported (sft, reward and dpo train on
+    its Dataset), else by the variables it reads when imported, so that ppo, eval, chat and export, which need it
+    only for a hub dataset, do not import it for this (0.8 CPU s and ~40 MiB at every start). A user's own
+    setting of either variable stands where datasets is not yet imported."""
+    if "datasets" in sys.modules:
+        logs = sys.modules["datasets"].utils.logging
+        logs.disable_progress_bar()
+        logs.set_verbosity_error()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
 def setup_cuda() -> None:

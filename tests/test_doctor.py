@@ -444,6 +444,19 @@ def test_doctor_qwen_recipe_offline(run_cli):
     assert "ZeRO-3" in out and "ppo runs under ddp or fsdp, not DeepSpeed" in out
 
 
+def test_the_slack_covers_the_training_loop_and_an_evaluation_adds_its_excess_once():
+    """Peak = static + slack × the loop's largest phase + what an evaluation needs beyond it + overhead (MiB):
+    5 + 2 × 10 + (30 - 10) + 1 = 46; an evaluation within the loop's phases adds nothing: 5 + 2 × 10 + 1 = 26."""
+    from rlhf_cli.memory.plan import Item, StagePlan
+
+    def plan(evaluation: float) -> StagePlan:
+        return StagePlan("ppo", items=[Item("weights", 5 * M.MiB, "", "static")], overhead=1 * M.MiB, slack=2.0,
+                         phases={"sampling": 4 * M.MiB, "scoring": 10 * M.MiB, "evaluation": evaluation * M.MiB})
+
+    assert plan(30).peak == 46 * M.MiB and plan(30).tensors == 35 * M.MiB
+    assert plan(8).peak == 26 * M.MiB
+
+
 # ------------------------------------------------------------------------- plan against measured peak RSS
 @pytest.mark.slow
 def test_tiny_plans_within_20_percent_of_measured_rss(tmp_path):

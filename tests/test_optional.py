@@ -4,6 +4,7 @@ imports them. Each case is a new interpreter, as a stage's process is."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -49,3 +50,19 @@ def test_a_process_that_imported_transformers_keeps_what_it_has():
     optional.hide_unused(of(compose("sft", [])))
     assert (sys.modules.get("bitsandbytes", "absent"), sys.modules.get("wandb", "absent")) == before
     assert optional.unused(of(compose("sft", []))) == ["bitsandbytes", "wandb"]
+
+
+def test_the_setup_of_a_stage_leaves_datasets_unimported_and_quiet_when_it_comes():
+    """ppo, eval, chat and export read their data without datasets: the stage's setup (which silences the
+    libraries) does not import it, and a later import (a hub dataset) starts without progress bars or notices.
+    A new interpreter: this process imported datasets long ago."""
+    script = ("import sys\nfrom rlhf_cli.config import compose\nfrom rlhf_cli.hardware import setup_torch\n"
+              "from rlhf_cli.settings import of\nsetup_torch(of(compose('ppo', ['device.threads=1'])))\n"
+              "print('datasets' in sys.modules)\nimport datasets\n"
+              "print(datasets.logging.get_verbosity() == datasets.logging.ERROR,"
+              " datasets.utils.are_progress_bars_disabled())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300,
+                          env={k: v for k, v in os.environ.items()
+                               if k not in ("DATASETS_VERBOSITY", "HF_DATASETS_DISABLE_PROGRESS_BARS")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "True", "True"]

@@ -150,7 +150,7 @@ def format_plan(plan: StagePlan) -> list[str]:
                  f"{fmt_bytes(plan.static)} + {phase} {fmt_bytes(plan.transient)}")
     lines.append(f"    {'runtime overhead':<28}{fmt_bytes(plan.peak - plan.tensors):>12}  "
                  f"{fmt_bytes(plan.overhead)} runtime constant + allocator slack ×{plan.slack:g} on the "
-                 "transient part")
+                 f"training loop's transient part{'' if plan.loop >= plan.transient else ', evaluation its excess'}")
     lines.append(f"    {'peak per process':<28}{fmt_bytes(plan.peak):>12}")
     if plan.checkpoint:
         lines.append(f"    {'checkpoint on disk':<28}{fmt_bytes(plan.checkpoint):>12}  what trains (fp32) "

@@ -23,13 +23,15 @@ from rlhf_cli.precision import SHORT, precision
 # Measured on a 2-core CPU box with the tiny recipe (torch 2.13, transformers 5.24, trl 1.16, peft 0.21,
 # 1 thread) with bench/probes/rss_probe.py: peak RSS growth (after the stage's imports) minus the static tensors
 # and the slack on the transient ones, fitted over runs of the recipe (sft and reward 5 steps, a full epoch, and
-# micro-batch 1; ppo 8, 128 and 512 episodes; runs of one configuration differ by up to ±20 MiB) - what a run
-# allocates that no term above counts: library code imported on first use, tokenizer, data and datasets, the
-# trainer, thread pools. They follow the stages' code: re-measure when a stage changes what it allocates
-# (tests/test_doctor.py's slow test compares every stage with its plan).
+# micro-batch 1; ppo 64, 128 and 512 episodes, and with its evaluation in chunks of 32 and 64 prompts; runs of one
+# configuration differ by up to ±20 MiB) - what a run allocates that no term above counts: library code imported
+# on first use, tokenizer, data and datasets, the trainer, thread pools. They follow the stages' code: re-measure
+# when a stage changes what it allocates (tests/test_doctor.py's slow test compares every stage with its plan).
+# ppo's is 0: it imports no datasets (rlhf_cli.hardware.quiet_datasets), and its runs measured 64-73 MiB against
+# 74 planned without evaluation, 86-109 against 97 with it.
 # GPUs: CUDA context and the caching allocator's reserve, an assumption (no GPU to measure here).
 # dpo: taken as sft's (the same trainer machinery and fused LM head), not fitted.
-RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 32, "dpo": 64},
+RUNTIME_OVERHEAD_MIB = {"cpu": {"sft": 64, "reward": 26, "ppo": 0, "dpo": 64},
                         "cuda": {"sft": 768, "reward": 768, "ppo": 768, "dpo": 768}}
 # Peak RSS / peak live transient tensors: glibc's malloc raises its mmap threshold after frees, so freed
 # activation and logits buffers stay resident (measured 1.9-2.2 on the tiny PPO runs). PyTorch's CUDA caching
@@ -47,6 +49,10 @@ class Item:
     bytes: float
     note: str = ""
     kind: str = "static"   # static (held all run) | transient (a phase's peak) | offloaded (CPU memory)
+
+
+# phases that run now and then between training steps (ppo.eval_every, <stage>.eval_steps), not at every step
+OCCASIONAL = ("evaluation",)
 
 
 @dataclass
@@ -76,9 +82,16 @@ class StagePlan:
         return self.static + self.transient
 
     @property
+    def loop(self) -> float:
+        """The transient peak of the phases every step repeats (all but OCCASIONAL ones)."""
+        return max((v for k, v in self.phases.items() if k not in OCCASIONAL), default=0.0)
+
+    @property
     def peak(self) -> float:
-        """Peak memory of one process: tensors, allocator slack on the transient part, runtime overhead."""
-        return self.static + self.slack * self.transient + self.overhead
+        """Peak memory of one process: tensors, the allocator's slack on the training loop's transient part (its
+        buffers are freed and allocated again at every step, and the allocator keeps freed blocks), an occasional
+        phase's excess over it once (it reuses those blocks), runtime overhead."""
+        return self.static + self.slack * self.loop + max(0.0, self.transient - self.loop) + self.overhead
 
 
 @dataclass(frozen=True)
