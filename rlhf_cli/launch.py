@@ -326,6 +326,6 @@ def write_accelerate_config(run, directory: str | Path) -> Path:
     path = Path(directory) / "accelerate_config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(accelerate_config(run.device), sort_keys=False)
-    head = f"# written by `rlhf {run.command}` from cfg.device; used by accelerate launch\n"
+    head = f"# written by `rlhf {run.command}` from its device.* settings; used by accelerate launch\n"
     path.write_text(head + text, encoding="utf-8")
     return path
