@@ -59,7 +59,7 @@ def setup_torch(run) -> None:
 def quiet_datasets() -> None:
     """datasets without progress bars or notices: told directly where it is imported (sft, reward and dpo train on
     its Dataset), else by the variables it reads when imported, so that ppo, eval, chat and export, which need it
-    only for a hub dataset, do not import it for this (0.8 CPU s and ~40 MiB at every start). A user's own
+    only for a hub dataset, do not import it (and pandas and pyarrow with it) at every start. A user's own
     setting of either variable stands where datasets is not yet imported."""
     if "datasets" in sys.modules:
         logs = sys.modules["datasets"].utils.logging

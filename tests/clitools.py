@@ -205,7 +205,7 @@ def _drop_singletons(keep_locks: bool = False) -> None:
     gc.collect()
     # what is alive now that libraries were imported since the last freeze (their modules, caches and classes, and
     # for the first call those of pytest) lives as long as this process: frozen, each later collection (two per
-    # CLI call) skips it; unfrozen, a collection after torch and transformers are in scans ~360k objects (0.2 s)
+    # CLI call) skips it; unfrozen, a collection after torch and transformers are in walks ~360k objects
     if len(sys.modules) > _FROZEN["modules"]:
         gc.freeze()
         _FROZEN["modules"] = len(sys.modules)

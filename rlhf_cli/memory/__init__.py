@@ -63,8 +63,9 @@ meets. `rlhf doctor` tokenizes the training data with the model's tokenizer when
 Runtime overhead (measured, see RUNTIME_OVERHEAD_MIB and ALLOCATOR_SLACK): on the CPU, the anonymous memory a
 stage allocates besides tensors (library objects created on first use, tokenizer, data, thread pools) and
 glibc's habit of keeping freed large blocks (peak RSS ≈ 2 × the training loop's transient tensors; an evaluation
-that needs more adds its excess once); on a GPU the CUDA context and the caching allocator. The pages of mapped library files are left out: how many of them are resident depends on
-the page cache (a freshly installed environment maps more of each file), not on the run.
+that needs more adds its excess once); on a GPU the CUDA context and the caching allocator. The pages of mapped
+library files are left out: how many of them are resident depends on the page cache (a freshly installed
+environment maps more of each file), not on the run.
 """
 
 # The planner's public names, for `rlhf doctor` (rlhf_cli.stages.doctor), the tests and bench/; the package's
